@@ -1,0 +1,1 @@
+"""Verifiable rewards: math answer checking (`math`); sandboxed code execution lives in `code`."""
