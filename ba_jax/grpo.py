@@ -1,0 +1,259 @@
+"""GRPO building blocks as pure functions: advantages, token log-probs and entropy,
+the clipped surrogate, KL estimators, the weighted loss, exact micro-batching.
+
+The loss is always `sum(w_BT * l_BT)` with weights from `ba_jax.aggregation`, computed
+on the whole optimizer batch before it is split (spec: aggregation.md), so every
+metric here is a plain weighted or counted sum that stays exact when summed over
+micro-batches or devices. What does not live here: the aggregation rules
+(aggregation.py), the model, the train step and optimizer (train.py).
+Shape letters: B rows, T tokens, V vocab, P groups (prompts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "batch_std")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def _safe_div(a: jax.Array, b: jax.Array) -> jax.Array:
+    ok = b > 0
+    return jnp.where(ok, a / jnp.where(ok, b, 1.0), 0.0)
+
+
+def group_advantages(
+    rewards_B: jax.Array,
+    group_id_B: jax.Array,
+    num_groups: int,
+    *,
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Per-row advantages from per-row rewards and group ids (float32).
+
+    grpo: (R - group mean) / (group std + eps), std with Bessel's correction;
+    drgrpo: R - group mean; batch_std: (R - group mean) / (batch std of R + eps),
+    Bessel-corrected over all rows in range. Groups of one row, groups whose rewards
+    are all equal, and rows whose group id is outside [0, num_groups) get exactly 0.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    r_B = rewards_B.astype(jnp.float32)
+    gid_B = group_id_B.astype(jnp.int32)
+    valid_B = (gid_B >= 0) & (gid_B < num_groups)
+    gid_B = jnp.clip(gid_B, 0, num_groups - 1)
+    r_B = jnp.where(valid_B, r_B, 0.0)
+    v_B = valid_B.astype(jnp.float32)
+    seg = lambda x_B: jax.ops.segment_sum(x_B, gid_B, num_segments=num_groups)  # noqa: E731
+    n_P = seg(v_B)
+    mean_P = _safe_div(seg(r_B), n_P)
+    centred_B = r_B - mean_P[gid_B]
+    # All-equal groups: force exact zeros (a float mean can miss R by one ulp).
+    hi_P = jax.ops.segment_max(jnp.where(valid_B, r_B, -jnp.inf), gid_B, num_segments=num_groups)
+    lo_P = jax.ops.segment_min(jnp.where(valid_B, r_B, jnp.inf), gid_B, num_segments=num_groups)
+    live_B = valid_B & (n_P[gid_B] > 1) & (hi_P[gid_B] > lo_P[gid_B])
+    if estimator == "grpo":
+        std_P = jnp.sqrt(_safe_div(seg(v_B * centred_B**2), n_P - 1))
+        adv_B = centred_B / (std_P[gid_B] + eps)
+    elif estimator == "drgrpo":
+        adv_B = centred_B
+    else:
+        n = v_B.sum()
+        batch_mean = _safe_div(r_B.sum(), n)
+        batch_std = jnp.sqrt(_safe_div((v_B * (r_B - batch_mean) ** 2).sum(), n - 1))
+        adv_B = centred_B / (batch_std + eps)
+    return jnp.where(live_B, adv_B, 0.0)
+
+
+@jax.custom_vjp
+def _token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    return _token_logprobs_fwd(logits_BTV, tokens_BT)[0]
+
+
+def _token_logprobs_fwd(logits_BTV, tokens_BT):
+    # Upcast inside the fused reduction; no [B,T,V] float32 copy is kept.
+    lse_BT = jax.nn.logsumexp(logits_BTV.astype(jnp.float32), axis=-1)
+    picked_BT = jnp.take_along_axis(logits_BTV, tokens_BT[..., None], axis=-1)[..., 0]
+    return picked_BT.astype(jnp.float32) - lse_BT, (logits_BTV, tokens_BT, lse_BT)
+
+
+def _token_logprobs_bwd(res, g_BT):
+    # d logp / d logits = onehot(token) - softmax: one fused [B,T,V] expression,
+    # written straight in the logits dtype.
+    logits_BTV, tokens_BT, lse_BT = res
+    p_BTV = jnp.exp(logits_BTV.astype(jnp.float32) - lse_BT[..., None])
+    onehot_BTV = tokens_BT[..., None] == jnp.arange(logits_BTV.shape[-1], dtype=tokens_BT.dtype)
+    grad_BTV = g_BT[..., None] * (onehot_BTV.astype(jnp.float32) - p_BTV)
+    return grad_BTV.astype(logits_BTV.dtype), None
+
+
+_token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
+
+
+def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    """float32 log pi(tokens) = log_softmax(logits) gathered at tokens."""
+    return _token_logprobs(logits_BTV, tokens_BT.astype(jnp.int32))
+
+
+def token_entropy(logits_BTV: jax.Array) -> jax.Array:
+    """float32 entropy of the softmax over V at every position."""
+    x_BTV = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(x_BTV, axis=-1)
+    p_BTV = jnp.exp(x_BTV - lse_BT[..., None])
+    return lse_BT - jnp.sum(p_BTV * x_BTV, axis=-1)
+
+
+def clipped_surrogate(
+    logp_BT: jax.Array,
+    old_logp_BT: jax.Array,
+    adv_B: jax.Array,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Per-token negated clipped surrogate (clip-higher, optional dual clip c for A < 0).
+
+    aux holds float 0/1 indicators per token: `clip_low_BT` (A < 0 and r < 1 - eps_low),
+    `clip_high_BT` (A > 0 and r > 1 + eps_high): the clipped term is active and the
+    token's gradient is zero; `clip_dual_BT` (A < 0 and the dual bound -c A is active).
+    Also `ratio_BT` = r.
+    """
+    logp_BT = logp_BT.astype(jnp.float32)
+    old_logp_BT = jax.lax.stop_gradient(old_logp_BT).astype(jnp.float32)
+    a_B1 = jax.lax.stop_gradient(adv_B).astype(jnp.float32)[:, None]
+    r_BT = jnp.exp(logp_BT - old_logp_BT)
+    surr_BT = r_BT * a_B1
+    clipped_BT = jnp.clip(r_BT, 1.0 - eps_low, 1.0 + eps_high) * a_B1
+    loss_BT = -jnp.minimum(surr_BT, clipped_BT)
+    rs_BT = jax.lax.stop_gradient(r_BT)
+    aux = {
+        "ratio_BT": rs_BT,
+        "clip_low_BT": ((a_B1 < 0) & (rs_BT < 1.0 - eps_low)).astype(jnp.float32),
+        "clip_high_BT": ((a_B1 > 0) & (rs_BT > 1.0 + eps_high)).astype(jnp.float32),
+    }
+    if dual_clip is None:
+        aux["clip_dual_BT"] = jnp.zeros_like(rs_BT)
+    else:
+        bound_BT = -dual_clip * a_B1  # positive where A < 0
+        dual_BT = (a_B1 < 0) & (loss_BT > bound_BT)
+        loss_BT = jnp.where(dual_BT, bound_BT, loss_BT)
+        aux["clip_dual_BT"] = jax.lax.stop_gradient(dual_BT).astype(jnp.float32)
+    return loss_BT, aux
+
+
+def kl_estimate(logp_BT: jax.Array, ref_logp_BT: jax.Array, kind: str) -> jax.Array:
+    """Schulman's per-token estimators of KL(pi || ref) from tokens sampled from pi.
+
+    With log rho = ref_logp - logp: k1 = -log rho, k2 = (log rho)^2 / 2,
+    k3 = rho - 1 - log rho (unbiased and nonnegative).
+    """
+    log_rho_BT = ref_logp_BT.astype(jnp.float32) - logp_BT.astype(jnp.float32)
+    if kind == "k1":
+        return -log_rho_BT
+    if kind == "k2":
+        return 0.5 * log_rho_BT**2
+    if kind == "k3":
+        return jnp.expm1(log_rho_BT) - log_rho_BT
+    raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_KINDS)}")
+
+
+def grpo_loss(
+    logp_BT: jax.Array,
+    old_logp_BT: jax.Array,
+    adv_B: jax.Array,
+    w_BT: jax.Array,
+    mask_BT: jax.Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+    ref_logp_BT: jax.Array | None = None,
+    kl_kind: str | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """sum(w * (surrogate + kl_beta * kl)) with precomputed aggregation weights w_BT.
+
+    Every metric is a sum over tokens, so summing over micro-batches is exact:
+    `pg_loss`, `kl` are w-weighted sums (already normalised by the rule, like the
+    loss); `weight_sum` = sum w; `num_tokens` = sum mask; `clip_low`, `clip_high`,
+    `clip_dual` and `ratio` are mask-counted sums. Normalise after summing:
+    clip fraction = clip_low / num_tokens, mean ratio = ratio / num_tokens.
+    """
+    w_BT = jax.lax.stop_gradient(w_BT).astype(jnp.float32)
+    m_BT = mask_BT.astype(jnp.float32)
+    pg_BT, aux = clipped_surrogate(
+        logp_BT, old_logp_BT, adv_B, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
+    )
+    pg_loss = jnp.sum(w_BT * pg_BT)
+    loss = pg_loss
+    metrics = {"pg_loss": pg_loss}
+    if kl_kind is not None:
+        if ref_logp_BT is None:
+            raise ValueError("kl_kind is set but ref_logp_BT is None")
+        kl = jnp.sum(w_BT * kl_estimate(logp_BT, jax.lax.stop_gradient(ref_logp_BT), kl_kind))
+        loss = loss + kl_beta * kl
+        metrics["kl"] = kl
+    metrics.update(
+        loss=loss,
+        weight_sum=jnp.sum(w_BT),
+        num_tokens=jnp.sum(m_BT),
+        clip_low=jnp.sum(m_BT * aux["clip_low_BT"]),
+        clip_high=jnp.sum(m_BT * aux["clip_high_BT"]),
+        clip_dual=jnp.sum(m_BT * aux["clip_dual_BT"]),
+        ratio=jnp.sum(m_BT * aux["ratio_BT"]),
+    )
+    return loss, metrics
+
+
+def _accumulator(x: jax.Array) -> jax.Array:
+    # Sum floating leaves in float32 so bf16 grads do not lose precision over k steps.
+    dtype = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    return jnp.zeros(x.shape, dtype)
+
+
+def accumulate_gradients(
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]],
+    params: Any,
+    batch: Any,
+    num_microbatches: int,
+) -> tuple[jax.Array, Any, Any]:
+    """Sum of loss, grads and aux of `loss_fn` over `num_microbatches` slices of `batch`.
+
+    `batch` is a pytree of arrays with leading row dim B whose aggregation weights were
+    computed on the whole batch, so the sum equals the full-batch result exactly.
+    Micro-batch j holds rows j, j+k, j+2k, ...: a row-sharded batch keeps every
+    micro-batch spread over all devices.
+    """
+    k = int(num_microbatches)
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the row dim: {sorted(sizes)}")
+    (rows,) = sizes
+    if k < 1 or rows % k:
+        raise ValueError(f"num_microbatches={k} must be >= 1 and divide the batch's {rows} rows")
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, grads, aux
+
+    def split(x):
+        return jnp.swapaxes(x.reshape(rows // k, k, *x.shape[1:]), 0, 1)
+
+    micro = jax.tree.map(split, batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    out_shape = jax.eval_shape(grad_fn, params, first)
+    init = jax.tree.map(_accumulator, out_shape)
+
+    def body(carry, mb):
+        out = grad_fn(params, mb)
+        return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, out), None
+
+    ((loss, aux), grads), _ = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
+    return loss, grads, aux
