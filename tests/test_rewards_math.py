@@ -194,3 +194,14 @@ def test_score_rejects_bad_input(scorer):
         scorer.score(["a"], ["b"], rule="exact")
     with pytest.raises(ValueError, match="ground truths"):
         scorer.score(["a", "b"], ["b"], rule="dapo")
+
+
+def test_pool_replaces_a_worker_that_died_while_idle(scorer):
+    scorer.score(["\\boxed{1}"] * 4, ["1"] * 4, rule="boxed")  # make sure the pool is up
+    dead = scorer._workers[0].process
+    dead.kill()
+    dead.join()
+    result = scorer.score(["\\boxed{1}"] * 4, ["1"] * 4, rule="boxed")
+    np.testing.assert_array_equal(result.rewards, [1.0] * 4)
+    assert (result.num_timeouts, result.num_errors) == (0, 0)
+    assert all(w.process.is_alive() for w in scorer._workers)

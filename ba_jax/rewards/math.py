@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -38,9 +39,11 @@ WRONG_VALUE = {"dapo": -1.0, "boxed": 0.0}
 DAPO_WINDOW_CHARS = 300
 _ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
-# math_verify's own per-call limit (whole seconds: it uses signal.alarm), used only on a
-# main thread; the pool's wall-clock limit is the hard bound.
+# math_verify's own per-call limit (whole seconds: it uses signal.alarm), for direct calls
+# on a main thread. Pool workers turn it off: their wall-clock limit is the only one, so
+# every slow item is counted as a timeout rather than silently scored wrong.
 _MATH_VERIFY_TIMEOUT_S = 5
+_in_pool_worker = False
 
 # --- Minerva normalisation (Lewkowycz et al. 2022, appendix D), which DAPO's reward uses.
 _SUBSTITUTIONS = (
@@ -201,10 +204,10 @@ def boxed_reward(response: str, ground_truth: str) -> float:
     gold_text = str(ground_truth).strip()
     if not boxed or not gold_text:
         return 0.0
-    # math_verify times out with signal.alarm, which raises off the main thread: there we
-    # disable it and rely on the caller (the pool's wall clock) to bound the time.
+    # math_verify times out with signal.alarm, which raises off the main thread: there (and
+    # in pool workers) we disable it and rely on the caller to bound the time.
     on_main_thread = threading.current_thread() is threading.main_thread()
-    limit = _MATH_VERIFY_TIMEOUT_S if on_main_thread else None
+    limit = _MATH_VERIFY_TIMEOUT_S if on_main_thread and not _in_pool_worker else None
     if "\\boxed" not in gold_text and "$" not in gold_text:
         gold_text = "\\boxed{" + gold_text + "}"  # math_verify extracts latex only when delimited
     gold = parse(gold_text, parsing_timeout=limit)
@@ -248,7 +251,10 @@ _STARTUP_TIMEOUT_S = 120.0
 
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """Worker process: score (index, rule, response, ground_truth) messages until None."""
+    global _in_pool_worker
+    _in_pool_worker = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" notices
     import math_verify  # noqa: F401  warm up so the first item's clock excludes the import
 
     conn.send(_READY)
@@ -291,8 +297,13 @@ class _Worker:
 class MathScorer:
     """A reusable pool of scorer processes with a wall-clock limit per item.
 
+    Workers start on the first batch that needs them and stay up until `close()`. A worker
+    past its item's deadline is killed and replaced (a hung sympy call cannot be
+    interrupted otherwise); the item scores wrong and is counted. Workers are spawned, so
+    the parent's `__main__` module is re-imported in each: keep entry points import-safe.
     Small `dapo` batches (fewer than `inline_below` items) are scored in this process: the
     rule is pure regex and cannot hang, and a pool round trip would cost more than it saves.
+    Not thread-safe: use one scorer per thread.
     """
 
     def __init__(
@@ -381,6 +392,9 @@ class MathScorer:
         while remaining:
             for k, w in enumerate(self._workers):
                 if not (pending and w.ready and w.item is None):
+                    continue
+                if not w.process.is_alive():  # died while idle: not the next item's fault
+                    self._replace(k)
                     continue
                 i = pending.popleft()
                 try:
