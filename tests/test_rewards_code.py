@@ -143,6 +143,24 @@ def test_large_stdin_and_files_in_working_dir(work_root):
     assert _run(source, [{"input": numbers, "output": "100000"}]).passed
 
 
+def test_what_the_program_sees(iso, work_root):
+    _require(iso, ("drop_user", "pid_namespace", "mount_namespace"))
+    lo, hi = code.UID_BASE, code.UID_BASE + code.NUM_SLOTS
+    source = f"""
+import os, tempfile
+assert {lo} <= os.getuid() < {hi} and os.getgid() == os.getuid(), os.getuid()
+assert os.getgroups() == [], os.getgroups()
+pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+assert pids == [1, 2], pids  # the namespace's reaper and the program
+assert os.getcwd() == '/tmp/work' and os.listdir('/tmp') == ['work']
+with tempfile.NamedTemporaryFile() as f:
+    assert f.name.startswith('/tmp/work/'), f.name
+print('ok')
+"""
+    result = _run(source)
+    assert result.passed, result.detail
+
+
 def test_check_programs_batch_keeps_order(work_root):
     tests = [{"input": "2", "output": "4"}]
     items = [(ECHO_DOUBLE, tests), ("print(5)", tests), ("while True: pass", tests),

@@ -8,8 +8,8 @@ a status, never an exception; only malformed arguments raise `ValueError`.
 
 Each run (see docs/sandbox.md): a launcher process (root) starts a new session and, where
 the kernel allows, new network, PID and mount namespaces; every existing mount becomes
-read-only, the working directory is a fresh size-limited tmpfs and /proc is private; the
-program then runs as a per-slot unprivileged uid (60000 + slot, one slot per concurrent
+read-only, /tmp and the other world-writable dirs are empty, the working directory is a
+fresh size-limited tmpfs at /tmp/work and /proc is private; the program then runs as a per-slot unprivileged uid (60000 + slot, one slot per concurrent
 run machine-wide, held by an flock) with CPU, address-space, process, file-size and
 open-file limits, under a wall-clock timeout that kills the PID namespace, and with at most
 a few MB of output read. `isolation()` probes once which of these work and logs any that
@@ -46,6 +46,10 @@ MAX_PROCESSES = 32  # RLIMIT_NPROC: processes + threads of the slot uid
 MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE
 MAX_OPEN_FILES = 256  # RLIMIT_NOFILE
 WORKDIR_TMPFS_MB = 32  # total size of the private working directory (mount namespace only)
+# Over-mounted (mount namespace) with an empty read-only tmpfs, like /tmp: the other
+# world-writable dirs and where host services keep unix sockets (a read-only mount does not
+# stop connecting to those).
+HIDDEN_DIRS = ("/var/tmp", "/dev/shm", "/run", "/var/run")
 UID_BASE = 60000  # slot i runs as uid = gid = UID_BASE + i
 NUM_SLOTS = 64
 _STDERR_TAIL_BYTES = 16 << 10
@@ -93,12 +97,22 @@ try:
                 mount(None, point, None, flags)
             except OSError as e:
                 say("warn read-only remount failed: %s" % e)
-        work = os.getcwd()
-        mount("tmpfs", work, "tmpfs", NOSUID | NODEV,
+        # /tmp becomes an empty read-only tmpfs holding only the fresh working dir /tmp/work.
+        mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV | NOEXEC, "size=4k,mode=0755")
+        os.mkdir("/tmp/work")
+        mount(None, "/tmp", None, REMOUNT | RDONLY | NOSUID | NODEV | NOEXEC)
+        mount("tmpfs", "/tmp/work", "tmpfs", NOSUID | NODEV,
               "size=%dm,mode=0700,uid=%d,gid=%d" % (cfg["tmpfs_mb"], cfg["uid"], cfg["gid"]))
-        os.chdir(work)
+        os.chdir("/tmp/work")
         with open("solution.py", "wb") as f:
             f.write(source)
+        for path in cfg["hide"]:  # other world-writable dirs and host sockets: empty, read-only
+            if os.path.isdir(path) and not os.path.islink(path):
+                try:
+                    mount("tmpfs", path, "tmpfs", RDONLY | NOSUID | NODEV | NOEXEC,
+                          "size=4k,mode=0755")
+                except OSError as e:
+                    say("warn hiding %s failed: %s" % (path, e))
 except BaseException as e:
     say("setup %r" % (e,))
     os._exit(1)
@@ -239,18 +253,24 @@ def _validate(tests: object, timeout_s: float, memory_mb: int) -> None:
 
 
 def _live_pids_of_uid(uid: int) -> list[int]:
+    # The real uid from /proc/N/status, not the owner of /proc/N (a non-dumpable process
+    # shows as root there); zombies are already dead and cannot be killed.
+    needle = f"\nUid:\t{uid}\t".encode()
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except (OSError, ValueError):
+            fd = os.open(f"/proc/{name}/status", os.O_RDONLY)
+        except OSError:
             continue  # gone meanwhile
-        # Real uid (not the /proc owner, which a non-dumpable process hides); zombies are
-        # already dead and cannot be killed.
-        if int(fields.get("Uid", "-1").split()[0]) == uid and "Z" not in fields.get("State", ""):
+        try:
+            status = os.read(fd, 4096)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if needle in status and b"\nState:\tZ" not in status:
             pids.append(int(name))
     return pids
 
@@ -293,6 +313,10 @@ class _Slot:
 def _lock_dir() -> str:
     path = os.path.join(tempfile.gettempdir(), f"ba_jax_sandbox_slots_{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)  # a predictable name in /tmp: refuse one someone else planted
+    if not os.path.isdir(path) or os.path.islink(path) or info.st_uid != os.getuid() or (
+            info.st_mode & 0o077):
+        raise RuntimeError(f"code sandbox: {path} is not a private directory of this user")
     return path
 
 
@@ -342,7 +366,7 @@ def _run_once(iso: Isolation, slot: _Slot | None, workdir: str, stdin: bytes,
     cfg = {
         "status_fd": status_w, "flags": flags, "mount": iso.mount_namespace,
         "uid": slot.uid if iso.drop_user else None, "gid": slot.gid if iso.drop_user else None,
-        "tmpfs_mb": WORKDIR_TMPFS_MB,
+        "tmpfs_mb": WORKDIR_TMPFS_MB, "hide": HIDDEN_DIRS,
         "argv": [iso.python, "-I", "-S", "-c", _BOOT],
         "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                 "HOME": "/nonexistent"},
@@ -480,8 +504,8 @@ def _python_candidates() -> list[str]:
     return [p for i, p in enumerate(found) if p and os.path.exists(p) and p not in found[:i]]
 
 
-def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...]]:
-    """Whether a trivial program runs under `iso`; warnings the launcher reported."""
+def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...], str]:
+    """Whether a trivial program runs under `iso`, the launcher's warnings, python version."""
     workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_probe_", dir=_WORK_ROOT)
     slot = _acquire_slot(_SLOTS) if iso.drop_user else None
     try:
@@ -491,7 +515,8 @@ def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...]]:
             os.chown(workdir, slot.uid, slot.gid)
         run = _run_once(iso, slot, workdir, b"", 10.0, 512)
         ok = run.outcome == "exit" and run.code == 0 and run.stdout.startswith(b"ok ")
-        return ok, run.warnings + ((f"python {run.stdout.split()[1].decode()}",) if ok else ())
+        version = run.stdout.split()[1].decode() if ok else ""
+        return ok, run.warnings, version
     finally:
         if slot is not None:
             _sweep_uid(slot.uid)
@@ -515,18 +540,21 @@ def isolation() -> Isolation:
                  [dict(user_namespace=True, net_namespace=True, pid_namespace=True),
                   dict(user_namespace=True, net_namespace=True), {}])
         for plan in plans:
+            rejected = []
             for python in _python_candidates():
                 iso = Isolation(python=python, **{
                     "drop_user": False, "user_namespace": False, "net_namespace": False,
                     "pid_namespace": False, "mount_namespace": False, **plan})
-                ok, notes = _probe(iso)
-                if ok:
-                    _ISOLATION = dataclasses.replace(iso, notes=notes)
-                    full = plan is plans[0] and root and not any(
-                        n.startswith("read-only") or n.startswith("private") for n in notes)
-                    (logger.info if full else logger.warning)(
-                        "code sandbox isolation%s: %s", "" if full else " (WEAKER)", _ISOLATION)
-                    return _ISOLATION
+                ok, warnings, version = _probe(iso)
+                if not ok:
+                    rejected.append(f"interpreter {python} does not run in the sandbox")
+                    continue
+                _ISOLATION = dataclasses.replace(
+                    iso, notes=(f"python {version}", *warnings, *rejected))
+                full = plan is plans[0] and root and not warnings
+                (logger.info if full else logger.warning)(
+                    "code sandbox isolation%s: %s", "" if full else " (WEAKER)", _ISOLATION)
+                return _ISOLATION
         raise RuntimeError("code sandbox: no interpreter runs even without isolation; "
                            f"tried {_python_candidates()}")
 
@@ -588,7 +616,7 @@ def check_program(source: str, tests: Sequence[dict], *, timeout_s: float = 6.0,
         slot = _acquire_slot(_SLOTS) if iso.drop_user else None
         try:
             if slot is not None:
-                _sweep_uid(slot.uid)  # leftovers of a crashed earlier owner of the slot
+                _sweep_uid(slot.uid)  # leftovers of an earlier owner of the slot that crashed
             workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_", dir=_WORK_ROOT)
             try:
                 with open(os.path.join(workdir, "solution.py"), "w", encoding="utf-8",
