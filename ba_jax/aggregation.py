@@ -102,55 +102,64 @@ def _stats(mask_BT: jax.Array, adv_B: jax.Array, group_id_B: jax.Array, num_grou
     )
 
 
-def _num_b(s: _Stats, count_degenerate_groups: bool) -> jax.Array:
-    return s.num_groups_all if count_degenerate_groups else s.num_groups_active
+def _builtin(c_fn: Callable[[_Stats, jax.Array, int], jax.Array]) -> Rule:
+    """Wrap `c_fn(stats, B, C) -> c_B` as a rule with the public rule signature."""
+
+    def rule(
+        mask_BT: jax.Array,
+        adv_B: jax.Array,
+        group_id_B: jax.Array,
+        num_groups: int,
+        *,
+        max_len: int | None = None,
+        count_degenerate_groups: bool = True,
+    ) -> jax.Array:
+        s = _stats(mask_BT, adv_B, group_id_B, num_groups)
+        num_b = s.num_groups_all if count_degenerate_groups else s.num_groups_active
+        return c_fn(s, num_b, mask_BT.shape[1] if max_len is None else max_len)
+
+    rule.__name__ = rule.__qualname__ = c_fn.__name__
+    return rule
 
 
-def _token(mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True):
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
+@_builtin
+def _token(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     return s.present_B * _safe_div(1.0, s.len_B.sum())
 
 
-def _token_group(
-    mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True
-):
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
-    c_P = _safe_div(1.0, _num_b(s, count_degenerate_groups) * s.tall_P)
+@_builtin
+def _token_group(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
+    c_P = _safe_div(1.0, num_b * s.tall_P)
     return s.present_B * c_P[s.gid_B]
 
 
-def _sequence(mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True):
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
+@_builtin
+def _sequence(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     return s.present_B * _safe_div(1.0, s.num_rows * s.len_B)
 
 
-def _sequence_sum(
-    mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True
-):
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
+@_builtin
+def _sequence_sum(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     return s.present_B * _safe_div(1.0, s.num_rows)
 
 
-def _constant(mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True):
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
-    c = mask_BT.shape[1] if max_len is None else max_len
-    return s.present_B * _safe_div(1.0, s.num_rows * c)
+@_builtin
+def _constant(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
+    return s.present_B * _safe_div(1.0, s.num_rows * max_len)
 
 
-def _balanced(mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True):
+@_builtin
+def _balanced(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     # 1 / (B G_g Lbar+-_g) written as n+-_g / (B G_g T+-_g): one division, no 0/0.
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
-    bg_P = _num_b(s, count_degenerate_groups) * s.size_P
+    bg_P = num_b * s.size_P
     cpos_P = _safe_div(s.npos_P, bg_P * s.tpos_P)
     cneg_P = _safe_div(s.nneg_P, bg_P * s.tneg_P)
     return s.pos_B * cpos_P[s.gid_B] + s.neg_B * cneg_P[s.gid_B]
 
 
-def _balanced_batch(
-    mask_BT, adv_B, group_id_B, num_groups, *, max_len=None, count_degenerate_groups=True
-):
+@_builtin
+def _balanced_batch(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     # 1 / (N Lbar+-) with Lbar+- pooled over the batch's positive / negative rows.
-    s = _stats(mask_BT, adv_B, group_id_B, num_groups)
     cpos = _safe_div(s.pos_B.sum(), s.num_rows * (s.len_B * s.pos_B).sum())
     cneg = _safe_div(s.neg_B.sum(), s.num_rows * (s.len_B * s.neg_B).sum())
     return s.pos_B * cpos + s.neg_B * cneg
@@ -226,7 +235,8 @@ def token_weights(
     fn = resolve_rule(rule)
     options = dict(max_len=max_len, count_degenerate_groups=count_degenerate_groups)
     options.update(rule_options)  # extra options reach user rules; must be hashable
-    return _weights(fn, mask_BT, adv_B, group_id_B, int(num_groups), tuple(sorted(options.items())))
+    options = tuple(sorted(options.items()))
+    return _weights(fn, mask_BT, adv_B, group_id_B, int(num_groups), options)
 
 
 def aggregate(
@@ -244,7 +254,14 @@ def aggregate(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _diagnostics(fn, mask_BT, adv_B, group_id_B, num_groups, options):
+def _diagnostics(
+    fn: Rule,
+    mask_BT: jax.Array,
+    adv_B: jax.Array,
+    group_id_B: jax.Array,
+    num_groups: int,
+    options: tuple[tuple[str, Any], ...],
+) -> dict[str, jax.Array]:
     s = _stats(mask_BT, adv_B, group_id_B, num_groups)
     seg = functools.partial(jax.ops.segment_sum, segment_ids=s.gid_B, num_segments=num_groups)
     mixed_P = ((s.npos_P > 0) & (s.nneg_P > 0)).astype(jnp.float32)
@@ -311,4 +328,5 @@ def diagnostics(
     fn = resolve_rule(rule)
     opts = dict(max_len=None, count_degenerate_groups=True)
     opts.update(options)
-    return _diagnostics(fn, mask_BT, adv_B, group_id_B, int(num_groups), tuple(sorted(opts.items())))
+    options = tuple(sorted(opts.items()))
+    return _diagnostics(fn, mask_BT, adv_B, group_id_B, int(num_groups), options)

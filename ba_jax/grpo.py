@@ -42,7 +42,8 @@ def group_advantages(
     are all equal, and rows whose group id is outside [0, num_groups) get exactly 0.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown estimator {estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        valid = ", ".join(ADVANTAGE_ESTIMATORS)
+        raise ValueError(f"unknown estimator {estimator!r}; valid: {valid}")
     r_B = rewards_B.astype(jnp.float32)
     gid_B = group_id_B.astype(jnp.int32)
     valid_B = (gid_B >= 0) & (gid_B < num_groups)
