@@ -1,0 +1,1 @@
+"""Model definitions (Qwen2/2.5/3) and Hugging Face conversion; see qwen.py and convert_hf.py."""

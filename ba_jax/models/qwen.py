@@ -1,0 +1,393 @@
+"""Dense Qwen2/2.5 and Qwen3 decoders in flax.nnx, their published configs, and the KV cache.
+
+Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), the `Qwen` module
+(full forward and cached decode) and `init_cache`. Not here: the Hugging Face key table and
+file IO (`convert_hf.py`), parameter shardings (`sharding.py`), sampling loops (`sampler.py`).
+
+Call interface:
+
+    model = Qwen(config, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    logits_BTV = model(tokens_BT, positions_BT=None, attn_mask_BT=None)    # float32 logits
+
+`attn_mask_BT` is 1 for real tokens and 0 for padding; a token attends causally to the real
+tokens at or before it. `positions_BT` defaults to `arange(T)` without a mask and to the number
+of real tokens before each token with one (the same thing for unpadded or right-padded rows,
+the right thing for left-padded ones). `model(tokens_BT)` is the Hugging Face call.
+
+KV cache (for a sampler): `cache = init_cache(config, batch, max_len, dtype)` holds, per layer,
+`k_BKSH[l]` and `v_BKSH[l]` of shape [B, K, S, H] (keys after RoPE). Then
+
+    logits_BTV, cache = model.decode(tokens_BT, positions_BT, cache, cache_index, attn_mask_BS)
+
+writes the T new tokens' keys and values into slots `cache_index .. cache_index+T-1` (one scalar
+for all rows) and lets token t attend to slot s iff `attn_mask_BS[b, s]` and
+`s <= cache_index + t`. `attn_mask_BS` marks the slots holding real tokens *including* the T
+being written. Prefill is `decode` with the (left-padded) prompt at `cache_index=0`; each step
+after is T=1 at the next slot. The [B, K, S, H] layout keeps batch and kv-head leading so
+XLA's batched dots read the cache in place (no per-step transpose), and one buffer per layer
+lets `dynamic_update_slice` update it in place when the caller's jit donates the cache.
+
+Numerics: parameters are stored in `param_dtype` and cast to `dtype` for compute; all matmuls
+accumulate in float32 (`preferred_element_type`), and norm statistics, RoPE angles and the
+softmax are float32. `_mm` carries a hand-written backward so that in bfloat16 the gradient
+matmuls also run as bf16 x bf16 -> f32 instead of being promoted to float32 by autodiff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform, not NaN, row
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one dense Qwen2/2.5/3 model (Hugging Face field names in brackets)."""
+
+    arch: str  # "qwen2" or "qwen3" (model_type); decides the exported architecture
+    vocab_size: int  # V (vocab_size)
+    hidden_size: int  # D (hidden_size)
+    intermediate_size: int  # F, SwiGLU hidden width (intermediate_size)
+    num_layers: int  # L (num_hidden_layers)
+    num_heads: int  # N query heads (num_attention_heads)
+    num_kv_heads: int  # K key/value heads, N % K == 0 (num_key_value_heads)
+    head_dim: int  # H (head_dim, else hidden_size // num_attention_heads)
+    rope_theta: float  # RoPE base (rope_theta / rope_parameters["rope_theta"])
+    rms_norm_eps: float  # RMSNorm epsilon (rms_norm_eps)
+    max_position_embeddings: int  # longest context the published model was trained for
+    use_tied_embeddings: bool  # lm_head shares embed_tokens (tie_word_embeddings)
+    use_qkv_bias: bool  # bias on q/k/v projections (Qwen2: always; Qwen3: attention_bias)
+    use_o_bias: bool  # bias on o_proj (Qwen3 attention_bias only)
+    use_qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    use_remat: bool = False  # rematerialise each decoder layer in the backward pass
+    bos_token_id: int | None = None  # kept for export only
+    eos_token_id: int | tuple[int, ...] | None = None  # kept for export only
+
+    def __post_init__(self):
+        if self.arch not in ("qwen2", "qwen3"):
+            raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {self.arch!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} not a multiple of {self.num_kv_heads=}")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Reads a Hugging Face Qwen2/Qwen3 config.json dict (transformers 4.x or 5.x layout)."""
+        arch = hf.get("model_type")
+        archs = hf.get("architectures") or []
+        if arch not in ("qwen2", "qwen3") or any(
+            a not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") for a in archs
+        ):
+            raise ValueError(
+                f"unsupported architecture: model_type={arch!r}, architectures={archs}; "
+                "expected qwen2/Qwen2ForCausalLM or qwen3/Qwen3ForCausalLM"
+            )
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (only 'default')")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        for key in ("use_sliding_window", "use_mrope"):
+            if hf.get(key):
+                raise ValueError(f"unsupported config option {key}=True")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only 'silu')")
+        heads = hf["num_attention_heads"]
+        bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        return cls(
+            arch=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            use_tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            use_qkv_bias=True if arch == "qwen2" else bias,
+            use_o_bias=False if arch == "qwen2" else bias,
+            use_qk_norm=arch == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        )
+
+
+def _qwen2(v, d, f, layers, n, k, theta, max_pos, tie) -> ModelConfig:
+    return ModelConfig("qwen2", v, d, f, layers, n, k, d // n, theta, 1e-6, max_pos, tie,
+                       use_qkv_bias=True, use_o_bias=False, use_qk_norm=False,
+                       bos_token_id=151643, eos_token_id=151643)
+
+
+def _qwen3(d, f, layers, n, k, tie) -> ModelConfig:
+    return ModelConfig("qwen3", 151936, d, f, layers, n, k, 128, 1e6, 1e-6, 40960, tie,
+                       use_qkv_bias=False, use_o_bias=False, use_qk_norm=True,
+                       bos_token_id=151643, eos_token_id=151645)
+
+
+# The published config.json of each base model (Qwen/<name> on the Hugging Face hub).
+PRESETS: dict[str, ModelConfig] = {
+    "Qwen2.5-0.5B": _qwen2(151936, 896, 4864, 24, 14, 2, 1e6, 32768, True),
+    "Qwen2.5-1.5B": _qwen2(151936, 1536, 8960, 28, 12, 2, 1e6, 131072, True),
+    "Qwen2.5-7B": _qwen2(152064, 3584, 18944, 28, 28, 4, 1e6, 131072, False),
+    "Qwen2.5-Math-1.5B": _qwen2(151936, 1536, 8960, 28, 12, 2, 1e4, 4096, True),
+    "Qwen2.5-Math-7B": _qwen2(152064, 3584, 18944, 28, 28, 4, 1e4, 4096, False),
+    "Qwen3-0.6B": _qwen3(1024, 3072, 28, 16, 8, True),
+    "Qwen3-1.7B": _qwen3(2048, 6144, 28, 16, 8, True),
+    "Qwen3-4B": _qwen3(2560, 9728, 36, 32, 8, True),
+    "Qwen3-8B": _qwen3(4096, 12288, 36, 32, 8, False),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...]) -> jax.Array:
+    """Contracts x's trailing len(w_axes) dims with w's `w_axes`; float32 result."""
+    n = len(w_axes)
+    dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
+    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+def _mm_fwd(x, w, w_axes):
+    return _mm(x, w, w_axes), (x, w)
+
+
+def _mm_bwd(w_axes, res, g):
+    x, w = res
+    g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
+    n_free = x.ndim - len(w_axes)
+    w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
+    g_wdims = tuple(range(n_free, g.ndim))
+    dx = lax.dot_general(g, w, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
+    lead = tuple(range(n_free))
+    dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_mm.defvjp(_mm_fwd, _mm_bwd)
+
+
+class Linear(nnx.Module):
+    """x[..., *in_shape] -> y[..., *out_shape]; kernel [*in_shape, *out_shape]."""
+
+    def __init__(self, in_shape, out_shape, *, use_bias, rngs, dtype, param_dtype):
+        init = nnx.initializers.normal(0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (*in_shape, *out_shape), param_dtype))
+        self.bias = nnx.Param(jnp.zeros(out_shape, param_dtype)) if use_bias else None
+        self.n_in = len(in_shape)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = _mm(x.astype(self.dtype), self.kernel[...].astype(self.dtype), tuple(range(self.n_in)))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D] (also the output projection when tied)."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs, param_dtype):
+        init = nnx.initializers.normal(0.02)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype))
+
+
+class RMSNorm(nnx.Module):
+    """Normalises the last axis with float32 statistics (HF Qwen2RMSNorm/Qwen3RMSNorm)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return x32.astype(self.dtype) * self.scale[...].astype(self.dtype)
+
+
+def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout: the two halves of the head dim form the pairs)."""
+    x32_BTNH = x_BTNH.astype(jnp.float32)
+    x1, x2 = jnp.split(x32_BTNH, 2, axis=-1)
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    out = x32_BTNH * cos_BTH[:, :, None, :] + rot * sin_BTH[:, :, None, :]
+    return out.astype(x_BTNH.dtype)
+
+
+def _rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    angle = jnp.concatenate([angle, angle], axis=-1)
+    return jnp.sin(angle), jnp.cos(angle)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Linear((D,), (N, H), use_bias=cfg.use_qkv_bias, **kw)
+        self.k_proj = Linear((D,), (K, H), use_bias=cfg.use_qkv_bias, **kw)
+        self.v_proj = Linear((D,), (K, H), use_bias=cfg.use_qkv_bias, **kw)
+        self.o_proj = Linear((N, H), (D,), use_bias=cfg.use_o_bias, **kw)
+        nkw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
+        self.k_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
+        self.num_kv_heads = K
+        self.dtype = dtype
+
+    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None):
+        B, T, _ = x_BTD.shape
+        q_BTNH = self.q_proj(x_BTD)
+        k_BTKH = self.k_proj(x_BTD)
+        v_BTKH = self.v_proj(x_BTD)
+        if self.q_norm is not None:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        q_BTNH = _rope(q_BTNH, sin_BTH, cos_BTH)
+        k_BKTH = _rope(k_BTKH, sin_BTH, cos_BTH).transpose(0, 2, 1, 3)
+        v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
+        if kv is None:
+            k_BKSH, v_BKSH = k_BKTH, v_BKTH
+        else:
+            start = (0, 0, cache_index, 0)
+            k_BKSH = lax.dynamic_update_slice(kv[0], k_BKTH.astype(kv[0].dtype), start)
+            v_BKSH = lax.dynamic_update_slice(kv[1], v_BKTH.astype(kv[1].dtype), start)
+            kv = (k_BKSH, v_BKSH)
+        K, H = self.num_kv_heads, q_BTNH.shape[-1]
+        q_BKGTH = q_BTNH.reshape(B, T, K, -1, H).transpose(0, 2, 3, 1, 4)
+        s_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", q_BKGTH, k_BKSH.astype(self.dtype),
+                             preferred_element_type=jnp.float32) * (H ** -0.5)
+        s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, _MASKED)
+        p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(self.dtype)
+        o_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", p_BKGTS, v_BKSH.astype(self.dtype),
+                             preferred_element_type=jnp.float32).astype(self.dtype)
+        o_BTNH = o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, -1, H)
+        return self.o_proj(o_BTNH), kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear((D,), (F,), **kw)
+        self.up_proj = Linear((D,), (F,), **kw)
+        self.down_proj = Linear((F,), (D,), **kw)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        nkw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg, **kw)
+        self.mlp = MLP(cfg, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **nkw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **nkw)
+
+    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None):
+        h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, mask_BTS,
+                                   kv, cache_index)
+        x_BTD = x_BTD + h_BTD
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)), kv
+
+
+def _run_layer(layer: DecoderLayer, x_BTD, sin_BTH, cos_BTH, mask_BTS):
+    return layer(x_BTD, sin_BTH, cos_BTH, mask_BTS)[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer key/value buffers for cached decoding."""
+
+    k_BKSH: list[jax.Array]  # one [B, K, S, H] buffer per layer, keys after RoPE
+    v_BKSH: list[jax.Array]  # one [B, K, S, H] buffer per layer
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """Zeroed KV cache with `max_len` slots per row."""
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+    zeros = [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
+    return KVCache(k_BKSH=zeros, v_BKSH=[jnp.zeros(shape, dtype) for _ in zeros])
+
+
+class Qwen(nnx.Module):
+    """Qwen2/2.5/3 causal LM; parameter paths mirror Hugging Face (without `model.`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        cfg = self.config = config
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
+                                  param_dtype=param_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
+                            param_dtype=param_dtype)
+        self.lm_head = (None if cfg.use_tied_embeddings else
+                        Linear((cfg.hidden_size,), (cfg.vocab_size,), use_bias=False, **kw))
+        self.dtype = dtype
+
+    def _embed(self, tokens_BT):
+        return jnp.take(self.embed_tokens.embedding[...], tokens_BT, axis=0).astype(self.dtype)
+
+    def _logits(self, x_BTD):
+        x_BTD = self.norm(x_BTD)
+        if self.lm_head is None:
+            emb_VD = self.embed_tokens.embedding[...].astype(self.dtype)
+            return _mm(x_BTD, emb_VD, (1,))
+        return _mm(x_BTD, self.lm_head.kernel[...].astype(self.dtype), (0,))
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                 attn_mask_BT: jax.Array | None = None) -> jax.Array:
+        """Full causal forward -> float32 logits [B, T, V]."""
+        B, T = tokens_BT.shape
+        valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
+        if positions_BT is None:
+            positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
+        sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
+                                        self.config.rope_theta)
+        causal_TS = jnp.tril(jnp.ones((T, T), bool))
+        mask_BTS = causal_TS[None] & valid_BT[:, None, :]
+        run = nnx.remat(_run_layer) if self.config.use_remat else _run_layer
+        x_BTD = self._embed(tokens_BT)
+        for layer in self.layers:
+            x_BTD = run(layer, x_BTD, sin_BTH, cos_BTH, mask_BTS)
+        return self._logits(x_BTD)
+
+    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
+               cache_index: jax.Array | int, attn_mask_BS: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        """Writes T tokens at `cache_index` and attends over the cache -> (logits_BTV, cache)."""
+        T = tokens_BT.shape[1]
+        S = cache.k_BKSH[0].shape[2]
+        sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
+                                        self.config.rope_theta)
+        query_slot_T = cache_index + jnp.arange(T)
+        causal_TS = jnp.arange(S)[None, :] <= query_slot_T[:, None]
+        mask_BTS = causal_TS[None] & attn_mask_BS.astype(bool)[:, None, :]
+        x_BTD = self._embed(tokens_BT)
+        ks, vs = [], []
+        for layer, k, v in zip(self.layers, cache.k_BKSH, cache.v_BKSH):
+            x_BTD, (k, v) = layer(x_BTD, sin_BTH, cos_BTH, mask_BTS, (k, v), cache_index)
+            ks.append(k)
+            vs.append(v)
+        return self._logits(x_BTD), KVCache(k_BKSH=ks, v_BKSH=vs)

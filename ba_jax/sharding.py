@@ -1,0 +1,134 @@
+"""Device mesh and parameter shardings, as data.
+
+Lives here: the mesh axes (`data`, `fsdp`, `tensor`), `make_mesh`, the ordered regex table
+from parameter path to logical axes (`PARAM_AXES`), the logical -> mesh rules
+(`DEFAULT_RULES`), `param_shardings` and the batch-row sharding helpers. Not here: how a
+trainer or sampler jits with these shardings.
+
+A parameter path is its nnx state path joined with dots, e.g.
+`layers.3.self_attn.q_proj.kernel`. Every Qwen parameter matches exactly one `PARAM_AXES`
+pattern (tests check both architectures). A mesh axis that does not divide a dimension is
+dropped for that dimension (e.g. 2 kv heads on tensor=4 stay replicated), so every preset
+fits every mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # batch rows are split over both; fsdp also splits parameters
+
+# Ordered table: parameter path (full match) -> one logical axis name per dimension.
+PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"embed_tokens\.embedding", ("vocab", "embed")),
+    (r"layers\.\d+\.self_attn\.q_proj\.kernel", ("embed", "heads", "head_dim")),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.kernel", ("embed", "kv_heads", "head_dim")),
+    (r"layers\.\d+\.self_attn\.q_proj\.bias", ("heads", "head_dim")),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", ("kv_heads", "head_dim")),
+    (r"layers\.\d+\.self_attn\.o_proj\.kernel", ("heads", "head_dim", "embed")),
+    (r"layers\.\d+\.self_attn\.o_proj\.bias", ("norm",)),
+    (r"layers\.\d+\.self_attn\.[qk]_norm\.scale", ("norm",)),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.kernel", ("embed", "mlp")),
+    (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", "embed")),
+    (r"layers\.\d+\.(input|post_attention)_layernorm\.scale", ("norm",)),
+    (r"norm\.scale", ("norm",)),
+    (r"lm_head\.kernel", ("embed", "vocab")),
+)
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "norm": None,
+}
+
+
+def make_mesh(shape: Mapping[str, int] | Sequence[int], devices=None) -> Mesh:
+    """Mesh over (`data`, `fsdp`, `tensor`); a dict may omit axes (size 1), one size may be -1."""
+    if isinstance(shape, Mapping):
+        unknown = set(shape) - set(MESH_AXES)
+        if unknown:
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
+        sizes = [shape.get(a, 1) for a in MESH_AXES]
+    else:
+        sizes = list(shape)
+        if len(sizes) != len(MESH_AXES):
+            raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries {MESH_AXES}")
+    devices = list(jax.devices() if devices is None else devices)
+    if sizes.count(-1) == 1:
+        sizes[sizes.index(-1)] = len(devices) // -math.prod(sizes)
+    n = math.prod(sizes)
+    if n < 1 or n > len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {n} devices, have {len(devices)}")
+    return Mesh(np.array(devices[:n]).reshape(sizes), MESH_AXES)
+
+
+def logical_axes(path: str) -> tuple[str, ...]:
+    """Logical axes of the parameter at dotted `path`; error unless exactly one rule matches."""
+    hits = [axes for pattern, axes in PARAM_AXES if re.fullmatch(pattern, path)]
+    if len(hits) != 1:
+        raise ValueError(f"parameter {path!r} matches {len(hits)} PARAM_AXES rules, expected 1")
+    return hits[0]
+
+
+def path_str(key_path: Sequence[Any]) -> str:
+    """Dotted parameter path from a jax key path (skipping nnx's `.value` attribute)."""
+    parts = []
+    for k in key_path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+    return ".".join(parts)
+
+
+def spec_for(path: str, shape: Sequence[int], mesh: Mesh, rules=None) -> P:
+    """PartitionSpec of one parameter; mesh axes that do not divide a dimension are dropped."""
+    rules = DEFAULT_RULES if rules is None else rules
+    axes = logical_axes(path)
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter {path!r}: logical axes {axes} do not fit shape {tuple(shape)}")
+    spec, used = [], set()
+    for size, name in zip(shape, axes):
+        target = rules.get(name)
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        # each mesh axis at most once per array, and only where it divides the dimension
+        targets = tuple(a for a in targets if a not in used)
+        if targets and size % math.prod(mesh.shape[a] for a in targets) == 0:
+            used.update(targets)
+            spec.append(targets[0] if len(targets) == 1 else targets)
+        else:
+            spec.append(None)
+    return P(*spec)
+
+
+def param_shardings(model_state, mesh: Mesh, rules=None):
+    """NamedSharding pytree with the structure of `model_state` (nnx State or pure dict)."""
+
+    def one(key_path, leaf):
+        return NamedSharding(mesh, spec_for(path_str(key_path), leaf.shape, mesh, rules))
+
+    return jax.tree_util.tree_map_with_path(one, model_state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows over (`data`, `fsdp`), other dims replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def shard_batch(batch, mesh: Mesh):
+    """device_put every array of a batch pytree with its rows split over (`data`, `fsdp`)."""
+    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), batch)

@@ -1,0 +1,160 @@
+"""Qwen model behaviour: padding, cached decoding, the custom matmul backward, remat, presets."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ba_jax.models import qwen
+from ba_jax.models.convert_hf import hf_config
+
+TINY = qwen.ModelConfig("qwen3", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4,
+                        rms_norm_eps=1e-6, max_position_embeddings=128,
+                        use_tied_embeddings=False, use_qkv_bias=True, use_o_bias=True,
+                        use_qk_norm=True)
+
+
+_fwd = jax.jit(lambda m, *args: m(*args))  # eager dispatch is far slower than one compile
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qwen.Qwen(TINY, rngs=nnx.Rngs(0))
+
+
+def _tokens(shape, seed=0):
+    return jnp.asarray(np.random.RandomState(seed).randint(0, TINY.vocab_size, shape))
+
+
+def test_shapes_and_hf_names(model):
+    logits = _fwd(model, _tokens((2, 5)))
+    assert logits.shape == (2, 5, 97) and logits.dtype == jnp.float32
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    for name in ["embed_tokens.embedding", "layers.1.self_attn.q_proj.kernel",
+                 "layers.0.self_attn.q_norm.scale", "layers.0.mlp.gate_proj.kernel",
+                 "layers.0.input_layernorm.scale", "layers.0.post_attention_layernorm.scale",
+                 "norm.scale", "lm_head.kernel", "layers.0.self_attn.o_proj.bias"]:
+        assert name in names
+
+
+def test_padded_rows_get_their_unpadded_logits(model):
+    T = 7
+    rows = [np.asarray(_tokens((1, n), seed=i))[0] for i, n in enumerate([7, 3])]
+    # rows 0-1 left-padded, rows 2-3 right-padded
+    tokens_BT = np.zeros((4, T), np.int32)
+    mask_BT = np.zeros((4, T), np.int32)
+    for b in range(4):
+        row = rows[b % 2]
+        sl = slice(T - len(row), T) if b < 2 else slice(0, len(row))
+        tokens_BT[b, sl] = row
+        mask_BT[b, sl] = 1
+    pos_BT = np.maximum(np.cumsum(mask_BT, axis=1) - 1, 0)
+    explicit = _fwd(model, jnp.asarray(tokens_BT), jnp.asarray(pos_BT), jnp.asarray(mask_BT))
+    default_pos = _fwd(model, jnp.asarray(tokens_BT), None, jnp.asarray(mask_BT))
+    for b in range(4):
+        alone = _fwd(model, jnp.asarray(rows[b % 2][None]))[0]
+        np.testing.assert_allclose(np.asarray(explicit[b])[mask_BT[b] == 1], alone, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(default_pos[b])[mask_BT[b] == 1], alone,
+                                   atol=1e-5)
+    assert np.isfinite(np.asarray(explicit)).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cached_decoding_equals_full_forward(model, dtype):
+    B, P, new, S = 2, 5, 4, 12
+    prompt_BP = np.asarray(_tokens((B, P), seed=3))
+    prompt_mask_BP = np.ones((B, P), np.int32)
+    prompt_mask_BP[1, :2] = 0  # row 1 is a left-padded 3-token prompt
+    cont_BN = np.asarray(_tokens((B, new), seed=4))
+    full_BT = np.concatenate([prompt_BP, cont_BN], axis=1)
+    full_mask_BT = np.concatenate([prompt_mask_BP, np.ones((B, new), np.int32)], axis=1)
+    ref_BTV = np.asarray(_fwd(model, jnp.asarray(full_BT), None, jnp.asarray(full_mask_BT)))
+    pos_BT = np.maximum(np.cumsum(full_mask_BT, axis=1) - 1, 0)
+    slot_mask_BS = np.zeros((B, S), np.int32)
+    slot_mask_BS[:, :P + new] = full_mask_BT  # future slots are never visible (causal)
+
+    decode = jax.jit(lambda m, *a: m.decode(*a), donate_argnums=(3,))
+    cache = qwen.init_cache(TINY, B, S, dtype)
+    # prefill, then a 2-token chunk, then single tokens
+    chunks = [(0, P), (P, P + 2), (P + 2, P + 3), (P + 3, P + 4)]
+    out = []
+    for a, b in chunks:
+        logits, cache = decode(model, jnp.asarray(full_BT[:, a:b]), jnp.asarray(pos_BT[:, a:b]),
+                               cache, a, jnp.asarray(slot_mask_BS))
+        out.append(np.asarray(logits))
+    got_BTV = np.concatenate(out, axis=1)
+    assert cache.k_BKSH[0].dtype == dtype and cache.k_BKSH[0].shape == (B, 2, S, 16)
+    atol = 1e-5 if dtype == jnp.float32 else 0.05 * np.abs(ref_BTV).max()
+    np.testing.assert_allclose(got_BTV[full_mask_BT == 1], ref_BTV[full_mask_BT == 1], atol=atol)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, w_axes", [
+    ((2, 3, 5), (5, 4, 6), (0,)),     # q_proj-like
+    ((2, 3, 4, 6), (4, 6, 5), (0, 1)),  # o_proj-like
+    ((2, 3, 5), (7, 5), (1,)),         # tied embedding as output projection
+])
+def test_mm_custom_backward_matches_autodiff(x_shape, w_shape, w_axes):
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    n = len(w_axes)
+    ref = lambda x, w: jnp.tensordot(x, w, (list(range(x.ndim - n, x.ndim)), list(w_axes)))
+    y = qwen._mm(x, w, w_axes)
+    g = jax.random.normal(kg, y.shape)
+    np.testing.assert_allclose(y, ref(x, w), rtol=1e-5, atol=1e-5)
+    got = jax.vjp(lambda x, w: qwen._mm(x, w, w_axes), x, w)[1](g)
+    want = jax.vjp(ref, x, w)[1](g)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_remat_same_gradients(model):
+    tokens = _tokens((2, 6), seed=5)
+    remat = qwen.Qwen(dataclasses.replace(TINY, use_remat=True), rngs=nnx.Rngs(0))
+
+    def loss(m):
+        return jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
+
+    g1 = jax.jit(nnx.grad(loss))(model)
+    g2 = jax.jit(nnx.grad(loss))(remat)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_forward_close_to_f32(model):
+    tokens = _tokens((2, 6), seed=6)
+    bf = qwen.Qwen(TINY, rngs=nnx.Rngs(1), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    nnx.update(bf, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param)))
+    ref = np.asarray(_fwd(model, tokens))
+    out = _fwd(bf, tokens)
+    assert out.dtype == jnp.float32
+    assert bf.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    np.testing.assert_allclose(out, ref, atol=0.05 * np.abs(ref).max())
+
+
+# Totals from the model cards (billions of parameters), an independent check of the presets.
+PUBLISHED_B = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.61,
+               "Qwen2.5-Math-1.5B": 1.54, "Qwen2.5-Math-7B": 7.61, "Qwen3-0.6B": 0.6,
+               "Qwen3-1.7B": 1.7, "Qwen3-4B": 4.0, "Qwen3-8B": 8.2}
+
+
+@pytest.mark.parametrize("name", list(qwen.PRESETS))
+def test_preset_parameter_count_matches_transformers(name):
+    cfg = qwen.PRESETS[name]
+    abstract = nnx.eval_shape(lambda: qwen.Qwen(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
+    n_ours = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    hf = hf_config(cfg, jnp.bfloat16)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[cfg.arch]
+    with torch.device("meta"):
+        hf_model = model_cls(config_cls(**hf))
+    assert n_ours == sum(p.numel() for p in hf_model.parameters())
+    assert abs(n_ours / 1e9 - PUBLISHED_B[name]) / PUBLISHED_B[name] < 0.02
+    assert qwen.ModelConfig.from_hf_config(hf) == cfg  # config.json round trip
