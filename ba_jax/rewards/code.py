@@ -9,10 +9,10 @@ a status, never an exception; only malformed arguments raise `ValueError`.
 Each run (see docs/sandbox.md): a launcher process (root) starts a new session and, where
 the kernel allows, new network, PID and mount namespaces; every existing mount becomes
 read-only, /tmp and the other world-writable dirs are empty, the working directory is a
-fresh size-limited tmpfs at /tmp/work and /proc is private; the program then runs as a per-slot unprivileged uid (60000 + slot, one slot per concurrent
-run machine-wide, held by an flock) with CPU, address-space, process, file-size and
-open-file limits, under a wall-clock timeout that kills the PID namespace, and with at most
-a few MB of output read. `isolation()` probes once which of these work and logs any that
+fresh size-limited tmpfs at /tmp/work and /proc is private; the program then runs as a
+per-slot unprivileged uid (60000 + slot, one slot per concurrent run machine-wide, held by
+an flock) with CPU, address-space, process, file-size and open-file limits, under a
+wall-clock timeout that kills the PID namespace, and with at most a few MB of output read. `isolation()` probes once which of these work and logs any that
 do not. Math rewards live in `math.py`.
 """
 
