@@ -1,0 +1,107 @@
+"""Mesh construction, the parameter-path table, logical -> mesh rules and batch sharding."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from ba_jax import sharding
+from ba_jax.models import qwen
+
+TINY = qwen.ModelConfig("qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
+                        rms_norm_eps=1e-6, max_position_embeddings=64, use_tied_embeddings=False,
+                        use_qkv_bias=True, use_o_bias=True, use_qk_norm=True)
+VARIANTS = {  # between them every kind of parameter either architecture has
+    "qwen3_all_flags": TINY,
+    "qwen3_preset": qwen.PRESETS["Qwen3-0.6B"],
+    "qwen2_tied": qwen.PRESETS["Qwen2.5-0.5B"],
+    "qwen2_untied": qwen.PRESETS["Qwen2.5-7B"],
+}
+
+
+def _abstract_params(config):
+    return nnx.state(nnx.eval_shape(lambda: qwen.Qwen(config, rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def _flat(state):
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    return {sharding.path_str(p): leaf for p, leaf in leaves}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_parameter_matches_exactly_one_rule(name):
+    params = _flat(_abstract_params(VARIANTS[name]))
+    assert params
+    for path, leaf in params.items():
+        hits = [axes for pattern, axes in sharding.PARAM_AXES if re.fullmatch(pattern, path)]
+        assert len(hits) == 1, path
+        assert len(hits[0]) == leaf.ndim, path
+        assert set(hits[0]) <= set(sharding.DEFAULT_RULES), path
+
+
+def test_logical_axes_rejects_unknown_path():
+    with pytest.raises(ValueError, match="matches 0 PARAM_AXES rules"):
+        sharding.logical_axes("layers.0.self_attn.rotary.kernel")
+
+
+def test_make_mesh_shapes():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert mesh.axis_names == sharding.MESH_AXES and dict(mesh.shape) == {
+        "data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(sharding.make_mesh({"tensor": 2}).shape) == {"data": 1, "fsdp": 1, "tensor": 2}
+    assert dict(sharding.make_mesh((1, -1, 2)).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        sharding.make_mesh({"data": 16})
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        sharding.make_mesh({"model": 2})
+
+
+def test_param_specs_and_indivisible_dims_stay_replicated():
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 4})
+    # Qwen2.5-0.5B: 14 query heads and 2 kv heads do not divide by tensor=4
+    specs = _flat(sharding.param_shardings(_abstract_params(qwen.PRESETS["Qwen2.5-0.5B"]), mesh))
+    assert specs["embed_tokens.embedding"].spec == P("tensor", "fsdp")
+    assert specs["layers.0.self_attn.q_proj.kernel"].spec == P("fsdp", None, None)
+    assert specs["layers.0.self_attn.k_proj.bias"].spec == P(None, None)
+    assert specs["layers.0.mlp.gate_proj.kernel"].spec == P("fsdp", "tensor")
+    assert specs["layers.0.mlp.down_proj.kernel"].spec == P("tensor", "fsdp")
+    assert specs["norm.scale"].spec == P(None)
+    specs = _flat(sharding.param_shardings(_abstract_params(qwen.PRESETS["Qwen3-8B"]), mesh))
+    assert specs["layers.3.self_attn.o_proj.kernel"].spec == P("tensor", None, "fsdp")
+    assert specs["lm_head.kernel"].spec == P("fsdp", "tensor")
+    # custom rules: embed over both fsdp and data, vocab replicated
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = dict(sharding.DEFAULT_RULES, embed=("fsdp", "data"), vocab=None)
+    spec = sharding.spec_for("embed_tokens.embedding", (151936, 4096), mesh, rules)
+    assert spec == P(None, ("fsdp", "data"))
+
+
+def test_sharded_params_give_the_unsharded_forward():
+    model = qwen.Qwen(TINY, rngs=nnx.Rngs(0))
+    tokens_BT = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 6)))
+    fwd = jax.jit(lambda m, t: m(t))
+    ref = fwd(model, tokens_BT)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(state, sharding.param_shardings(state, mesh)))
+    q = model.layers[0].self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == P("fsdp", "tensor", None)
+    tokens_BT = sharding.shard_batch(tokens_BT, mesh)
+    assert tokens_BT.sharding.spec == P(("data", "fsdp"), None)
+    assert len(tokens_BT.addressable_shards) == 8
+    assert tokens_BT.addressable_shards[0].data.shape == (1, 6)
+    np.testing.assert_allclose(fwd(model, tokens_BT), ref, atol=1e-5)
+
+
+def test_batch_sharding_ranks():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+    assert sharding.batch_sharding(mesh, 1).spec == P(("data", "fsdp"))
+    assert sharding.batch_sharding(mesh, 3).spec == P(("data", "fsdp"), None, None)
+    x = sharding.shard_batch({"mask": np.ones((8, 3), np.float32)}, mesh)["mask"]
+    assert x.addressable_shards[0].data.shape == (1, 3)
+
