@@ -41,7 +41,8 @@ RULES = (
     "balanced_batch",
 )
 
-# A rule: (mask_BT, adv_B, group_id_B, num_groups, **options) -> w_BT.
+# A rule: (mask_BT, adv_B, group_id_B, num_groups, **options) -> w_BT (or c_B, one
+# factor per row, which token_weights broadcasts over the mask).
 Rule = Callable[..., jax.Array]
 
 
@@ -103,7 +104,7 @@ def _stats(mask_BT: jax.Array, adv_B: jax.Array, group_id_B: jax.Array, num_grou
 
 
 def _builtin(c_fn: Callable[[_Stats, jax.Array, int], jax.Array]) -> Rule:
-    """Wrap `c_fn(stats, B, C) -> c_B` as a rule with the public rule signature."""
+    """Wrap `c_fn(stats, B, C) -> c_B` as a rule with the public signature, -> w_BT."""
 
     def rule(
         mask_BT: jax.Array,
@@ -116,7 +117,8 @@ def _builtin(c_fn: Callable[[_Stats, jax.Array, int], jax.Array]) -> Rule:
     ) -> jax.Array:
         s = _stats(mask_BT, adv_B, group_id_B, num_groups)
         num_b = s.num_groups_all if count_degenerate_groups else s.num_groups_active
-        return c_fn(s, num_b, mask_BT.shape[1] if max_len is None else max_len)
+        c_B = c_fn(s, num_b, mask_BT.shape[1] if max_len is None else max_len)
+        return mask_BT.astype(jnp.float32) * c_B[:, None]
 
     rule.__name__ = rule.__qualname__ = c_fn.__name__
     return rule
@@ -165,7 +167,6 @@ def _balanced_batch(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     return s.pos_B * cpos + s.neg_B * cneg
 
 
-# Built-in rules return c_B; _weights broadcasts them over the mask.
 _BUILTIN: dict[str, Rule] = {
     "token": _token,
     "token_group": _token_group,
@@ -215,7 +216,7 @@ def _weights(
 ) -> jax.Array:
     out = fn(mask_BT, adv_B, group_id_B, num_groups, **dict(options))
     mask_BT = mask_BT.astype(jnp.float32)
-    # Built-ins return c_B; a user rule may return c_B or the full w_BT.
+    # A rule may return c_B or w_BT; the mask is applied either way.
     w_BT = mask_BT * out[:, None] if out.ndim == 1 else mask_BT * out
     return jax.lax.stop_gradient(w_BT.astype(jnp.float32))
 

@@ -268,6 +268,14 @@ def test_unknown_rule_and_bad_path():
         agg.resolve_rule("numpy.no_such_fn")
 
 
+@pytest.mark.parametrize("rule", ["token", "balanced"])
+def test_resolved_builtin_returns_token_weights(rule):
+    mask, adv, gid = ragged_batch(8)
+    w = agg.resolve_rule(rule)(jnp.asarray(mask), jnp.asarray(adv), jnp.asarray(gid), NUM_GROUPS)
+    assert w.shape == mask.shape
+    np.testing.assert_allclose(w, agg.token_weights(rule, mask, adv, gid, NUM_GROUPS), rtol=1e-6)
+
+
 def half_sequence(mask_BT, adv_B, group_id_B, num_groups, *, scale=0.5, **options):
     """A user rule for the tests: `sequence` scaled by an extra option."""
     return scale * agg.token_weights("sequence", mask_BT, adv_B, group_id_B, num_groups, **options)
