@@ -1,0 +1,195 @@
+"""Everything a run needs, built from the experiment config and checked at start-up.
+
+What lives here: config validation (every problem a user could be told about before the
+first step), the mesh, the tokenizer, the prompt set, the policy's initial parameters
+(random, Hugging Face folder, or converted Orbax checkpoint) and the optimizer. What does
+not: the update itself (train.py) or the host side of an iteration (experience.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from ba_jax import aggregation, data, grpo, sharding
+from ba_jax.models import qwen
+from ba_jax.tasks import arithmetic
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the option."""
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Any, num_devices: int) -> None:
+    """Fail before any work for every option a run could only trip over later."""
+    g, r = cfg.grpo, cfg.rollout
+    try:
+        aggregation.resolve_rule(g.aggregation)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"config.grpo.aggregation: {e}") from e
+    _check(g.advantage in grpo.ADVANTAGE_ESTIMATORS,
+           f"config.grpo.advantage={g.advantage!r}; valid: {', '.join(grpo.ADVANTAGE_ESTIMATORS)}")
+    _check(g.kl_kind in ("none",) + grpo.KL_KINDS,
+           f"config.grpo.kl_kind={g.kl_kind!r}; valid: none, {', '.join(grpo.KL_KINDS)}")
+    _check(cfg.model.dtype in DTYPES and cfg.model.param_dtype in DTYPES,
+           f"config.model.dtype/param_dtype must be one of {sorted(DTYPES)}")
+    _check(cfg.model.init in ("random", "hf", "checkpoint"),
+           f"config.model.init={cfg.model.init!r}; valid: random, hf, checkpoint")
+    if cfg.model.init != "random":
+        _check(os.path.isdir(cfg.model.init_path),
+               f"config.model.init_path={cfg.model.init_path!r} is not a folder")
+    _check(cfg.task in ("arithmetic", "dataset"), f"config.task={cfg.task!r}; valid: arithmetic, dataset")
+    if cfg.task == "dataset":
+        _check(os.path.isfile(cfg.data.path), f"config.data.path={cfg.data.path!r}: no such file")
+        _check(bool(cfg.tokenizer_path) or cfg.model.init == "hf",
+               "config.tokenizer_path is required for task=dataset (or model.init=hf)")
+    for name in ("prompts_per_step", "num_samples", "max_new_tokens"):
+        _check(getattr(r, name) >= 1, f"config.rollout.{name} must be >= 1")
+    for name in ("num_updates", "num_minibatches", "num_microbatches"):
+        _check(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
+    _check(r.prompts_per_step % g.num_minibatches == 0,
+           f"config.grpo.num_minibatches={g.num_minibatches} must divide "
+           f"config.rollout.prompts_per_step={r.prompts_per_step} (mini-batches hold whole groups)")
+    rows = r.prompts_per_step // g.num_minibatches * r.num_samples
+    _check(rows % g.num_microbatches == 0,
+           f"config.grpo.num_microbatches={g.num_microbatches} must divide the {rows} rows of a "
+           "mini-batch")
+    mesh_shape = mesh_axes(cfg, num_devices)
+    dp = mesh_shape["data"] * mesh_shape["fsdp"]
+    _check((rows // g.num_microbatches) % dp == 0,
+           f"micro-batch rows ({rows // g.num_microbatches}) must be divisible by data*fsdp={dp} "
+           "devices")
+    _check(cfg.rollout.temperature >= 0, "config.rollout.temperature must be >= 0")
+    _check(0 < cfg.rollout.top_p <= 1, "config.rollout.top_p must be in (0, 1]")
+    _check(cfg.num_train_steps >= 0, "config.num_train_steps must be >= 0")
+    _check(cfg.checkpoint.every_steps >= 1, "config.checkpoint.every_steps must be >= 1")
+
+
+def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:
+    """The config's mesh with one -1 resolved to the remaining devices."""
+    shape = {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor")}
+    free = [a for a, n in shape.items() if n == -1]
+    _check(len(free) <= 1, f"config.mesh: at most one axis may be -1, got {shape}")
+    fixed = int(np.prod([n for n in shape.values() if n != -1]))
+    _check(fixed >= 1 and num_devices % fixed == 0,
+           f"config.mesh {shape} does not fit {num_devices} devices")
+    if free:
+        shape[free[0]] = num_devices // fixed
+    _check(int(np.prod(list(shape.values()))) == num_devices,
+           f"config.mesh {shape} uses {int(np.prod(list(shape.values())))} devices but "
+           f"{num_devices} are present")
+    return shape
+
+
+def make_mesh(cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:
+    """The (data, fsdp, tensor) mesh over `devices` (default: all)."""
+    devices = jax.devices() if devices is None else devices
+    return sharding.make_mesh(mesh_axes(cfg, len(devices)), devices=devices)
+
+
+def model_config(cfg: Any) -> qwen.ModelConfig:
+    """ModelConfig from a preset name or the explicit fields of config.model."""
+    m = cfg.model
+    if m.preset:
+        _check(m.preset in qwen.PRESETS,
+               f"config.model.preset={m.preset!r}; valid: {', '.join(sorted(qwen.PRESETS))}")
+        return dataclasses.replace(qwen.PRESETS[m.preset], use_remat=m.use_remat)
+    return qwen.ModelConfig(
+        arch=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
+        rms_norm_eps=m.rms_norm_eps, max_position_embeddings=m.max_position_embeddings,
+        use_tied_embeddings=m.tie_word_embeddings, use_qkv_bias=m.arch == "qwen2",
+        use_o_bias=False, use_qk_norm=m.arch == "qwen3", use_remat=m.use_remat,
+    )
+
+
+def load_tokenizer(cfg: Any, workdir: str):
+    """The run's tokenizer: the embedded task builds its own into WORKDIR/tokenizer."""
+    from transformers import AutoTokenizer
+
+    if cfg.task == "arithmetic" and not cfg.tokenizer_path:
+        path = os.path.join(workdir, "tokenizer")
+        if not os.path.exists(os.path.join(path, "tokenizer.json")):
+            arithmetic.save_tokenizer(path)
+    else:
+        path = cfg.tokenizer_path or cfg.model.init_path
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the option named
+        raise ConfigError(f"tokenizer at {path!r} cannot be loaded: {e}") from e
+
+
+def load_prompt_set(cfg: Any, tokenizer, workdir: str) -> data.PromptDataset:
+    """The prompt set: generated arithmetic problems, or a local dataset file."""
+    if cfg.task == "arithmetic":
+        a = cfg.arithmetic
+        path = os.path.join(workdir, "data", "arithmetic.jsonl")
+        arithmetic.write_problems(path, max_operand=a.max_operand, ops=a.ops,
+                                  num_problems=a.num_problems, seed=cfg.seed)
+        dcfg = data.DataConfig(path=path, format="dapo17k", template="plain",
+                               max_prompt_tokens=cfg.data.max_prompt_tokens)
+    else:
+        d = cfg.data
+        dcfg = data.DataConfig(path=d.path, format=d.format, template=d.template,
+                               max_prompt_tokens=d.max_prompt_tokens,
+                               prompt_suffix=d.prompt_suffix or None,
+                               enable_thinking=d.enable_thinking)
+    ds = data.load_prompts(dcfg, tokenizer)
+    _check(len(ds.prompt_ids) >= cfg.rollout.prompts_per_step,
+           f"only {len(ds.prompt_ids)} usable prompts in {dcfg.path} (stats {ds.stats}); "
+           f"config.rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
+    return ds
+
+
+def init_policy(cfg: Any, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of the initial policy, each parameter placed with its sharding."""
+    dtype, pdtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
+    if cfg.model.init == "hf":
+        from ba_jax.models import convert_hf
+
+        model = convert_hf.load_hf(cfg.model.init_path, dtype=pdtype, mesh=mesh)
+        return nnx.split(model)
+    if cfg.model.init == "checkpoint":
+        from ba_jax.models import convert_hf
+
+        model = convert_hf.load_checkpoint(cfg.model.init_path, dtype=pdtype, mesh=mesh)
+        return nnx.split(model)
+    mcfg = model_config(cfg)
+
+    def create():
+        return qwen.Qwen(mcfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype, param_dtype=pdtype)
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
+    shardings = sharding.param_shardings(abstract, mesh)
+    params = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+    return graphdef, params
+
+
+def make_optimizer(cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warm-up then constant LR (the DAPO recipe), global-norm clipping."""
+    o = cfg.optim
+    warm = max(1, o.warmup_steps)
+
+    def schedule(count):  # update k (from 0) uses lr * min(1, (k+1)/warmup): never exactly 0
+        return o.learning_rate * jnp.minimum(1.0, (count + 1) / warm)
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),
+        optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+    )
+    return tx, schedule

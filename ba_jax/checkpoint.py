@@ -1,0 +1,107 @@
+"""Orbax checkpoints of a training run: parameters, optimizer state, step, RNG, data position.
+
+What lives here: one `Checkpointer` around `orbax.checkpoint.CheckpointManager` that saves
+the array state (a pytree) and a JSON side-car (step, data-iterator position, the config,
+anything small) atomically as one step folder, keeps `max_to_keep`, and restores the
+newest readable step. What does not: deciding *when* to save (train.py) or converting
+Hugging Face weights (models/convert_hf.py).
+
+Failure policy: an unreadable latest checkpoint is an error that names it, never a silent
+fresh start; `fallback_to_previous=True` walks back to the newest step that restores.
+Orbax writes each step into a temporary folder and renames it when complete, so a run
+killed during a save leaves an unfinished temporary folder that is ignored and removed
+on the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be restored."""
+
+
+class Checkpointer:
+    """Save and restore (state pytree, JSON metadata) pairs under `directory`."""
+
+    def __init__(self, directory: str, *, max_to_keep: int = 2):
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=True,
+            enable_async_checkpointing=False,  # a save returns only once it is durable
+            cleanup_tmp_directories=True,  # partial saves of a killed run are removed
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta")
+        )
+
+    def steps(self) -> list[int]:
+        """All complete checkpoint steps, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Write `state` (arrays) and `meta` (JSON-serialisable) as checkpoint `step`."""
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restore checkpoint `step` into the shapes/shardings of `abstract_state`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised with the folder named
+            path = os.path.join(self.directory, str(step))
+            raise CheckpointError(
+                f"checkpoint {path} cannot be restored into this run's state "
+                f"({type(e).__name__}: {str(e)[:400]}). It may come from another model "
+                "shape or be damaged; use another workdir, or set "
+                "--config.checkpoint.fallback_to_previous=True to resume from an older step."
+            ) from e
+        return out["state"], dict(out["meta"])
+
+    def restore_latest(
+        self, abstract_state: Any, *, fallback_to_previous: bool = False
+    ) -> tuple[int, Any, dict] | None:
+        """Newest restorable (step, state, meta), or None when there is no checkpoint."""
+        steps = self.steps()
+        if not steps:
+            return None
+        errors = []
+        for step in reversed(steps):
+            try:
+                state, meta = self.restore(step, abstract_state)
+                if errors:
+                    logging.warning("resumed from step %d; skipped: %s", step, errors)
+                return step, state, meta
+            except CheckpointError as e:
+                if not fallback_to_previous:
+                    raise
+                errors.append(str(e))
+        raise CheckpointError("no checkpoint could be restored:\n" + "\n".join(errors))
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,101 @@
+"""Run logging: `WORKDIR/metrics.jsonl`, TensorBoard event files and a progress bar.
+
+What lives here: the writers. What does not: computing metrics (train.py, aggregation.py)
+or plotting (plot.py). On resume the JSONL is cut back to the restored step, so a run
+that was killed and resumed has exactly one line per step, identical to an
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly scalar: numpy/jax scalars to Python, non-finite floats to None."""
+    if isinstance(value, (str, bool, int)) or value is None:
+        return value
+    v = float(np.asarray(value))
+    return v if math.isfinite(v) else None
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """All step records of a run, in order (an unfinished last line is ignored)."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill; truncate() drops it on resume
+    return rows
+
+
+class MetricsWriter:
+    """Append one JSON object per step; mirror scalars to TensorBoard; show progress."""
+
+    def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0,
+                 enabled: bool = True, progress: bool = True, flush_every: int = 10):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, METRICS_FILE)
+        self.flush_every = max(1, flush_every)
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        self.truncate(start_step)
+        self._file = open(self.path, "a")
+        try:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=30)
+        except Exception:  # noqa: BLE001 - TensorBoard is optional output
+            self._tb = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train",
+                             dynamic_ncols=True, mininterval=1.0)
+
+    def truncate(self, last_step: int) -> None:
+        """Keep only records with step <= last_step (the state that was restored)."""
+        rows = [r for r in read_metrics(os.path.dirname(self.path)) if r.get("step", 0) <= last_step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, scalars: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step)} | {k: _plain(v) for k, v in scalars.items()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{record.get('reward_mean') or 0:.3f}",
+                                  acc=f"{record.get('accuracy') or 0:.3f}", refresh=False)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

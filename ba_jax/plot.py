@@ -1,0 +1,88 @@
+"""`python -m ba_jax.plot WORKDIR [WORKDIR ...]`: PNG curves of runs, overlaid.
+
+Reads each run's `metrics.jsonl` and writes one PNG per quantity (reward, accuracy,
+response length, and the aggregation diagnostics when logged) so that runs that differ
+only in `grpo.aggregation` can be compared at a glance. Output goes to `--out`
+(default: `plots/` inside the first workdir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from ba_jax.metrics import read_metrics
+
+# (metric key, plot title); a key missing from every run is skipped.
+PANELS = (
+    ("reward_mean", "reward (mean over responses)"),
+    ("accuracy", "accuracy (fraction judged right)"),
+    ("response_length_mean", "response length (tokens)"),
+    ("response_length_cv", "response length CV"),
+    ("diag_length_gap", "mean length gap  Lbar- / Lbar+"),
+    ("diag_signed_mass_token", "signed mass sum W A under token aggregation"),
+)
+
+
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average that ignores NaN (missing values)."""
+    if window <= 1 or len(y) == 0:
+        return y
+    out = np.empty_like(y)
+    for i in range(len(y)):
+        chunk = y[max(0, i - window + 1) : i + 1]
+        chunk = chunk[np.isfinite(chunk)]
+        out[i] = chunk.mean() if len(chunk) else np.nan
+    return out
+
+
+def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[str]:
+    """Write one PNG per panel with every run overlaid; return the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {}
+    for wd in workdirs:
+        rows = read_metrics(wd)
+        if not rows:
+            raise SystemExit(f"ba_jax.plot: {os.path.join(wd, 'metrics.jsonl')} is missing or empty")
+        runs[os.path.basename(os.path.normpath(wd)) or wd] = rows
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for key, title in PANELS:
+        if not any(key in r for rows in runs.values() for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+        for name, rows in runs.items():
+            x = np.array([r["step"] for r in rows])
+            y = np.array([np.nan if r.get(key) is None else r.get(key) for r in rows], float)
+            ax.plot(x, smooth(y, window), label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{key}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ba_jax.plot", description=__doc__.split("\n")[0])
+    parser.add_argument("workdirs", nargs="+", help="run folders holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output folder (default: FIRST/plots)")
+    parser.add_argument("--window", type=int, default=10, help="moving-average window (steps)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.workdirs[0], "plots")
+    for path in plot_runs(args.workdirs, out, window=args.window):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Verifiable tasks that ba_jax generates itself (no download): the embedded default."""
