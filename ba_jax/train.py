@@ -1,0 +1,299 @@
+"""The GRPO train step (pure, jitted once) and the RL loop around it.
+
+What lives here: `train_step(state, batch)` and `make_train_step` (shardings, donation),
+the format-only warm-up step of the embedded task, and `train_and_evaluate`, the plain
+Python loop: sample -> score -> advantages -> update -> log -> checkpoint. What does not:
+building the run from the config (build.py), collecting experience (experience.py), the
+aggregation rules (aggregation.py) and losses (grpo.py).
+
+Batch layout (rows of one prompt contiguous, B = P*G): `prompt_tokens_BT` left-padded
+prompts, `tokens_BR` the R response slots; the policy reads `[prompt | response]` and the
+loss sees only response positions. Aggregation weights are computed inside the step on
+the whole mini-batch, before it is cut into micro-batches (spec: aggregation.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from ba_jax import aggregation, build, checkpoint, data, experience, grpo
+from ba_jax import metrics as metrics_lib
+from ba_jax.rewards import math as math_rewards
+from ba_jax.tasks import arithmetic
+
+BATCH_AXES = ("data", "fsdp")  # rows are split over both data-parallel mesh axes
+
+
+def sequence_inputs(prompt_tokens_BT, prompt_mask_BT, tokens_BR):
+    """Model inputs for `[prompt | response]` minus the last slot, and its positions/mask."""
+    tokens_BS = jnp.concatenate([prompt_tokens_BT, tokens_BR], axis=1)[:, :-1]
+    attn_BS = jnp.concatenate(
+        [prompt_mask_BT, jnp.ones_like(tokens_BR)], axis=1)[:, :-1].astype(jnp.int32)
+    positions_BS = jnp.maximum(jnp.cumsum(attn_BS, axis=1) - 1, 0)
+    return tokens_BS, positions_BS, attn_BS
+
+
+def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
+    """Log-probs (and entropies) of the response tokens under the policy `params`."""
+    model = nnx.merge(graphdef, params)
+    Tp = batch["prompt_tokens_BT"].shape[1]
+    tokens_BS, positions_BS, attn_BS = sequence_inputs(
+        batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
+    logits_BRV = model(tokens_BS, positions_BS, attn_BS)[:, Tp - 1 :]
+    logp_BR = grpo.token_logprobs(logits_BRV, batch["tokens_BR"])
+    ent_BR = grpo.token_entropy(jax.lax.stop_gradient(logits_BRV)) if with_entropy else None
+    return logp_BR, ent_BR
+
+
+def _loss_fn(params, mb, *, graphdef, g):
+    logp_BR, ent_BR = policy_logprobs(graphdef, params, mb, with_entropy=True)
+    use_kl = g["kl_kind"] != "none"
+    loss, m = grpo.grpo_loss(
+        logp_BR, mb["old_logp_BR"], mb["adv_B"], mb["w_BR"], mb["mask_BR"],
+        eps_low=g["eps_low"], eps_high=g["eps_high"], dual_clip=g["dual_clip"] or None,
+        ref_logp_BT=mb.get("ref_logp_BR") if use_kl else None,
+        kl_kind=g["kl_kind"] if use_kl else None, kl_beta=g["kl_beta"])
+    m["entropy"] = jnp.sum(mb["mask_BR"] * ent_BR)
+    return loss, m
+
+
+def train_step(state, batch, *, graphdef, tx, rule, rule_options, g, num_groups, num_microbatches):
+    """One optimizer step on one mini-batch; a non-finite loss/grad leaves state unchanged."""
+    w_BR = aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"], batch["group_id_B"],
+                                     num_groups, **rule_options)
+    batch = dict(batch, w_BR=w_BR)
+    loss_fn = functools.partial(_loss_fn, graphdef=graphdef, g=g)
+    loss, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch, num_microbatches)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new_state = dict(
+        params=jax.tree.map(keep, params, state["params"]),
+        opt_state=jax.tree.map(keep, opt_state, state["opt_state"]),
+        step=state["step"] + finite.astype(jnp.int32),
+    )
+    n = jnp.maximum(aux["num_tokens"], 1.0)
+    out = dict(loss=loss, pg_loss=aux["pg_loss"], grad_norm=grad_norm,
+               clipfrac_low=aux["clip_low"] / n, clipfrac_high=aux["clip_high"] / n,
+               clipfrac_dual=aux["clip_dual"] / n, ratio_mean=aux["ratio"] / n,
+               entropy=aux["entropy"] / n, weight_sum=aux["weight_sum"],
+               nonfinite=1.0 - finite.astype(jnp.float32))
+    if "kl" in aux:
+        out["kl"] = aux["kl"]
+    return new_state, out
+
+
+def make_train_step(cfg, graphdef, state, mesh, num_groups: int):
+    """jit(train_step) with the state's shardings, rows over (data, fsdp), state donated."""
+    g = dict(cfg.grpo)
+    rule = aggregation.resolve_rule(g["aggregation"])
+    rule_options = dict(count_degenerate_groups=g["count_degenerate_groups"],
+                        max_len=g["constant_max_len"] or cfg.rollout.max_new_tokens)
+    tx, _ = build.make_optimizer(cfg)
+    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, rule=rule,
+                           rule_options=rule_options, g=g, num_groups=num_groups,
+                           num_microbatches=cfg.grpo.num_microbatches)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    row_sh = NamedSharding(mesh, PS(BATCH_AXES))
+    return jax.jit(fn, in_shardings=(state_sh, row_sh), out_shardings=(state_sh, None),
+                   donate_argnums=(0,))
+
+
+def replicate_unsharded(tree, mesh):
+    """Give every leaf without a mesh sharding (optimizer counts, step) a replicated one.
+
+    Otherwise the first call of a jitted step sees uncommitted scalars and the second
+    call sees mesh-sharded outputs: two compilations of the same step.
+    """
+    rep = NamedSharding(mesh, PS())
+    return jax.tree.map(
+        lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+        else jax.device_put(x, rep), tree)
+
+
+def init_state(params, tx, mesh) -> dict:
+    """Fresh train state: parameters, optimizer state and update count, all mesh-placed."""
+    state = dict(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32))
+    return replicate_unsharded(state, mesh)
+
+
+def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
+    """Format-only supervised warm-up of the embedded task (see tasks/arithmetic.py)."""
+    a = cfg.arithmetic
+    rng = np.random.default_rng([cfg.seed, 7])
+    eos = tokenizer.eos_token_id
+    R = cfg.rollout.max_new_tokens
+    Tp = max(len(p) for p in prompt_set.prompt_ids)
+    tx = optax.adam(a.warmup_learning_rate)
+    opt_state = replicate_unsharded(jax.jit(tx.init)(params), mesh)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            logp_BR, _ = policy_logprobs(graphdef, p, batch)
+            return -jnp.sum(batch["mask_BR"] * logp_BR) / jnp.maximum(batch["mask_BR"].sum(), 1)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    n = a.warmup_batch_size
+    row_sh = NamedSharding(mesh, PS(BATCH_AXES))
+    for _ in range(a.warmup_steps):
+        idx = rng.integers(len(prompt_set.prompt_ids), size=n)
+        texts = arithmetic.warmup_responses(rng, [prompt_set.ground_truths[j] for j in idx],
+                                            a.max_operand, a.ops, a.warmup_correct_frac)
+        b = dict(prompt_tokens_BT=np.zeros((n, Tp), np.int32), prompt_mask_BT=np.zeros((n, Tp), np.int32),
+                 tokens_BR=np.zeros((n, R), np.int32), mask_BR=np.zeros((n, R), np.float32))
+        for i, (j, t) in enumerate(zip(idx, texts)):
+            p = prompt_set.prompt_ids[j]
+            b["prompt_tokens_BT"][i, Tp - len(p):] = p
+            b["prompt_mask_BT"][i, Tp - len(p):] = 1
+            r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [eos])[:R]
+            b["tokens_BR"][i, : len(r)] = r
+            b["mask_BR"][i, : len(r)] = 1
+        params, opt_state, loss = step(params, opt_state, jax.device_put(b, row_sh))
+    return params, float(loss)
+
+
+def _eos_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    if im_end is not None:
+        ids.add(im_end)
+    if not ids:
+        raise build.ConfigError("the tokenizer defines no EOS token; generation could never stop")
+    return ids
+
+
+def _config_json(cfg) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+
+
+def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str:
+    """Run (or resume) the RL loop of `cfg` in `workdir` on `devices` (default all)."""
+    devices = jax.devices() if devices is None else devices
+    build.validate(cfg, len(devices))
+    os.makedirs(workdir, exist_ok=True)
+    mesh = build.make_mesh(cfg, devices)
+    tokenizer = build.load_tokenizer(cfg, workdir)
+    prompt_set = build.load_prompt_set(cfg, tokenizer, workdir)
+    eos_ids = _eos_ids(tokenizer)
+    graphdef, params = build.init_policy(cfg, mesh)
+    tx, schedule = build.make_optimizer(cfg)
+    state = init_state(params, tx, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                   max_to_keep=cfg.checkpoint.max_to_keep)
+    P = cfg.rollout.prompts_per_step
+    iterator = data.PromptIterator(len(prompt_set.prompt_ids), P, cfg.seed)
+    restored = ckpt.restore_latest(state, fallback_to_previous=cfg.checkpoint.fallback_to_previous)
+    if restored is not None:
+        _, state, meta = restored
+        iterator.restore(meta["data_iterator"])
+        start = int(meta["step"])
+        print(f"resumed from {ckpt.directory} at step {start}")
+    else:
+        start = 0
+        if cfg.task == "arithmetic" and cfg.arithmetic.warmup_steps > 0:
+            params, loss = _warmup(cfg, graphdef, state["params"], prompt_set, tokenizer, mesh)
+            state = init_state(params, tx, mesh)
+            print(f"format warm-up: {cfg.arithmetic.warmup_steps} steps, final loss {loss:.3f}")
+        ckpt.save(0, state, dict(step=0, data_iterator=iterator.state(), config=_config_json(cfg)))
+    plots = os.path.join(workdir, "plots")
+    if start >= cfg.num_train_steps:
+        ckpt.close()
+        return (f"run complete ({start} steps) in {workdir}: metrics {workdir}/metrics.jsonl, "
+                f"plots {plots}, checkpoint {ckpt.directory}")
+
+    ref_params = state["params"] if cfg.grpo.kl_kind != "none" and cfg.grpo.kl_beta > 0 else None
+    if ref_params is not None:
+        ref_params = jax.tree.map(jnp.copy, ref_params)  # the frozen reference survives donation
+    M = cfg.grpo.num_minibatches
+    step_fn = make_train_step(cfg, graphdef, state, mesh, num_groups=P // M)
+    ref_fn = jax.jit(lambda p, b: policy_logprobs(graphdef, p, b)[0])
+    diag_fn = jax.jit(functools.partial(
+        aggregation.diagnostics, aggregation.resolve_rule(cfg.grpo.aggregation),
+        num_groups=P, count_degenerate_groups=cfg.grpo.count_degenerate_groups,
+        max_len=cfg.grpo.constant_max_len or cfg.rollout.max_new_tokens))
+    row_sh = NamedSharding(mesh, PS(BATCH_AXES))
+    writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,
+                                       flush_every=cfg.log_every)
+    scorer = math_rewards.MathScorer(timeout_s=cfg.reward.timeout_s,
+                                     num_workers=cfg.reward.num_workers or None)
+    G = cfg.rollout.num_samples
+    rows_per_mb = P // M * G
+
+    def next_prompts():
+        idx = iterator.next_batch()
+        return [prompt_set.prompt_ids[i] for i in idx], [prompt_set.ground_truths[i] for i in idx]
+
+    nonfinite_run = 0
+    try:
+        for it in range(start + 1, cfg.num_train_steps + 1):
+            t0 = time.perf_counter()
+            policy = nnx.merge(graphdef, state["params"])
+            exp = experience.collect(
+                policy, next_prompts, cfg=cfg, key=jax.random.fold_in(jax.random.key(cfg.seed), it),
+                tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids,
+                rule=prompt_set.reward_rule, mesh=mesh)
+            t1 = time.perf_counter()
+            batch = exp.batch
+            diag = diag_fn(batch["mask_BR"], batch["adv_B"], batch["group_id_B"])
+            if ref_params is not None:
+                batch["ref_logp_BR"] = np.asarray(ref_fn(ref_params, jax.device_put(batch, row_sh)))
+            step_metrics = []
+            for _ in range(cfg.grpo.num_updates):
+                for m in range(M):
+                    sl = slice(m * rows_per_mb, (m + 1) * rows_per_mb)
+                    mb = {k: v[sl] for k, v in batch.items()}
+                    mb["group_id_B"] = mb["group_id_B"] - m * (P // M)
+                    state, out = step_fn(state, jax.device_put(mb, row_sh))
+                    step_metrics.append(out)
+            step_metrics = jax.device_get(step_metrics)
+            t2 = time.perf_counter()
+            nonfinite = sum(float(o["nonfinite"]) for o in step_metrics)
+            nonfinite_run = nonfinite_run + 1 if nonfinite else 0
+            upd = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
+            upd["nonfinite_updates"] = nonfinite
+            if it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps:
+                ckpt.save(it, state, dict(step=it, data_iterator=iterator.state(),
+                                          config=_config_json(cfg)))
+            t3 = time.perf_counter()
+            total = t3 - t0
+            record = dict(exp.metrics) | upd | {f"diag_{k}": v for k, v in jax.device_get(diag).items()}
+            record.update(learning_rate=float(schedule(int(state["step"]) - 1)),
+                          step_time_s=total, update_time_s=t2 - t1, checkpoint_time_s=t3 - t2,
+                          sampling_time_share=exp.metrics["sample_time_s"] / total,
+                          tokens_per_s=exp.metrics["generated_tokens"] / max(exp.metrics["sample_time_s"], 1e-9))
+            writer.write(it, record)
+            if nonfinite_run >= cfg.max_consecutive_nonfinite:
+                raise FloatingPointError(
+                    f"{nonfinite_run} steps in a row had a non-finite loss or gradient (last at step "
+                    f"{it}); parameters were left unchanged by each of them. The last checkpoint in "
+                    f"{ckpt.directory} is intact; lower config.optim.learning_rate or inspect the data.")
+    finally:
+        writer.close()
+        scorer.close()
+        ckpt.close()
+    try:
+        from ba_jax import plot
+
+        plot.plot_runs([workdir], plots)
+    except Exception as e:  # noqa: BLE001 - plots are a convenience, never fail a finished run
+        print(f"plotting failed: {e}")
+    return (f"finished {cfg.num_train_steps} steps: metrics {workdir}/metrics.jsonl, plots {plots}, "
+            f"checkpoint {ckpt.directory}")
