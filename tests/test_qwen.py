@@ -139,6 +139,26 @@ def test_bf16_forward_close_to_f32(model):
     np.testing.assert_allclose(out, ref, atol=0.05 * np.abs(ref).max())
 
 
+def test_bf16_gradients_of_tied_model_track_f32():
+    # tied output projection: its weight gradient once hit an XLA CPU dot that rejects bf16
+    cfg = dataclasses.replace(TINY, use_tied_embeddings=True)
+    f32 = qwen.Qwen(cfg, rngs=nnx.Rngs(0))
+    bf = qwen.Qwen(cfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16)
+    nnx.update(bf, nnx.state(f32, nnx.Param))
+    tokens = _tokens((2, 6), seed=7)
+
+    def loss(m):
+        return -jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
+
+    g32 = jax.jit(nnx.grad(loss))(f32)
+    g16 = jax.jit(nnx.grad(loss))(bf)
+    for path, a in nnx.to_flat_state(g32):
+        b = dict(nnx.to_flat_state(g16))[path]
+        assert b[...].dtype == jnp.float32  # gradients in the param dtype
+        scale = np.abs(np.asarray(a[...])).max()
+        np.testing.assert_allclose(b[...], a[...], atol=0.1 * scale, err_msg=str(path))
+
+
 # Totals from the model cards (billions of parameters), an independent check of the presets.
 PUBLISHED_B = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.61,
                "Qwen2.5-Math-1.5B": 1.54, "Qwen2.5-Math-7B": 7.61, "Qwen3-0.6B": 0.6,

@@ -170,8 +170,13 @@ def _mm_bwd(w_axes, res, g):
     g_wdims = tuple(range(n_free, g.ndim))
     dx = lax.dot_general(g, w, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
     lead = tuple(range(n_free))
-    dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-    dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
+    if w_free + w_axes == tuple(range(w.ndim)):
+        # w = [out, in] (tied embedding): produce that order directly; the transposed form
+        # hits XLA CPU's generic DotThunk, which rejects bf16 x bf16 -> f32
+        dw = lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    else:
+        dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+        dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
