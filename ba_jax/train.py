@@ -297,3 +297,27 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
         print(f"plotting failed: {e}")
     return (f"finished {cfg.num_train_steps} steps: metrics {workdir}/metrics.jsonl, plots {plots}, "
             f"checkpoint {ckpt.directory}")
+
+
+def load_policy(cfg, checkpoint_dir: str, *, devices: list | None = None, step: int | None = None):
+    """(graphdef, params, step) of a trainer checkpoint folder (WORKDIR/checkpoints).
+
+    The optimizer state is restored too (Orbax restores whole items) and then dropped.
+    `step=None` takes the newest complete step.
+    """
+    mesh = build.make_mesh(cfg, devices)
+    graphdef, params = build.init_policy(cfg, mesh)
+    tx, _ = build.make_optimizer(cfg)
+    state = init_state(params, tx, mesh)
+    ckpt = checkpoint.Checkpointer(checkpoint_dir)
+    try:
+        if step is None:
+            restored = ckpt.restore_latest(state)
+            if restored is None:
+                raise checkpoint.CheckpointError(f"no checkpoint in {checkpoint_dir}")
+            step, state, _ = restored
+        else:
+            state, _ = ckpt.restore(step, state)
+    finally:
+        ckpt.close()
+    return graphdef, state["params"], step
