@@ -17,6 +17,7 @@ everything else (embeddings, norms, biases) a reshape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -161,13 +162,10 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
                        f"{hf_shape(needed[missing[0]], wanted[needed[missing[0]]].shape)}); "
                        f"{len(missing)} missing in all")
     values: dict[str, jax.Array] = {}
-    handles = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, "np")) for f in set(files.values())}
         for key, ours in needed.items():
-            fname = files[key]
-            if fname not in handles:
-                handles[fname] = safe_open(fname, "np").__enter__()
-            array = handles[fname].get_tensor(key)
+            array = handles[files[key]].get_tensor(key)
             abstract = wanted[ours]
             expected = hf_shape(ours, abstract.shape)
             if tuple(array.shape) != expected:
@@ -176,9 +174,6 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
             array = from_hf(ours, array, abstract.shape).astype(param_dtype)
             values[ours] = jax.device_put(array, shardings.get(ours))
             del array  # host memory holds one tensor at a time
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
     return _merge(graphdef, state, values)
 
 
@@ -216,7 +211,8 @@ def hf_config(config: ModelConfig, dtype) -> dict:
         "use_cache": True,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-        "torch_dtype": jnp.dtype(dtype).name,
+        "torch_dtype": jnp.dtype(dtype).name,  # transformers 4.x name
+        "dtype": jnp.dtype(dtype).name,  # transformers 5.x name
     }
     if config.arch == "qwen3":
         out["attention_bias"] = config.use_qkv_bias
