@@ -238,6 +238,18 @@ def _rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
     return jnp.sin(angle), jnp.cos(angle)
 
 
+def _cache_write(buf_BKSH: jax.Array, new_BKTH: jax.Array, index) -> jax.Array:
+    """Writes T new slots at `index` in place (when the caller donates the cache)."""
+    start = (0, 0, index, 0)
+    if buf_BKSH.dtype != jnp.bfloat16:
+        return lax.dynamic_update_slice(buf_BKSH, new_BKTH.astype(buf_BKSH.dtype), start)
+    # XLA CPU runs a bf16 dynamic_update_slice as convert -> f32 update -> convert, rewriting
+    # the whole cache every step; on the uint16 bit pattern it is an in-place slot write.
+    bits = lax.bitcast_convert_type(buf_BKSH, jnp.uint16)
+    new = lax.bitcast_convert_type(new_BKTH.astype(jnp.bfloat16), jnp.uint16)
+    return lax.bitcast_convert_type(lax.dynamic_update_slice(bits, new, start), jnp.bfloat16)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
 
@@ -267,9 +279,8 @@ class Attention(nnx.Module):
         if kv is None:
             k_BKSH, v_BKSH = k_BKTH, v_BKTH
         else:
-            start = (0, 0, cache_index, 0)
-            k_BKSH = lax.dynamic_update_slice(kv[0], k_BKTH.astype(kv[0].dtype), start)
-            v_BKSH = lax.dynamic_update_slice(kv[1], v_BKTH.astype(kv[1].dtype), start)
+            k_BKSH = _cache_write(kv[0], k_BKTH, cache_index)
+            v_BKSH = _cache_write(kv[1], v_BKTH, cache_index)
             kv = (k_BKSH, v_BKSH)
         K, H = self.num_kv_heads, q_BTNH.shape[-1]
         q_BKGTH = q_BTNH.reshape(B, T, K, -1, H).transpose(0, 2, 3, 1, 4)
