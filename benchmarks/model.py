@@ -11,6 +11,7 @@ alternate so drifting machine load hits both alike; medians are reported, plus t
 of this machine's matmul peak (a 2048^3 jnp matmul measured in the same run) at 6N FLOPs/token.
 
     python benchmarks/model.py [--steps 5] [--precisions f32,bf16]
+    python benchmarks/model.py --cache-write    # KV-cache slot write, plain vs qwen._cache_write
 """
 
 from __future__ import annotations
@@ -79,11 +80,39 @@ def matmul_peak() -> dict[str, float]:
     return out
 
 
+def cache_write() -> None:
+    """ms per one-slot write into a donated [128, 4, 1024, 64] cache: plain vs `_cache_write`."""
+    from jax import lax
+
+    from ba_jax.models.qwen import _cache_write
+
+    def plain(c, u, i):
+        return lax.dynamic_update_slice(c, u.astype(c.dtype), (0, 0, i, 0))
+
+    print("| cache dtype | plain dynamic_update_slice ms | qwen._cache_write ms |")
+    print("|---|---:|---:|")
+    for dt in [jnp.float32, jnp.bfloat16]:
+        row = []
+        for fn in (plain, _cache_write):
+            f = jax.jit(fn, donate_argnums=(0,))
+            c, u = jnp.zeros((128, 4, 1024, 64), dt), jnp.ones((128, 4, 1, 64), jnp.float32)
+            c = f(c, u, 0).block_until_ready()
+            t0 = time.perf_counter()
+            for i in range(20):
+                c = f(c, u, i)
+            c.block_until_ready()
+            row.append((time.perf_counter() - t0) / 20 * 1e3)
+        print(f"| {jnp.dtype(dt).name} | {row[0]:.2f} | {row[1]:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precisions", default="f32,bf16")
+    parser.add_argument("--cache-write", action="store_true", help="only the KV-cache write")
     args = parser.parse_args()
+    if args.cache_write:
+        return cache_write()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     config = Qwen3Config(**HF_KW)
