@@ -1,0 +1,508 @@
+"""Evaluation on the paper's benchmarks: k samples per problem -> avg@k, pass@k, maj@k.
+
+Lives here: the metrics (`pass_at_k`, `majority_index`, `benchmark_metrics`), the prompt
+templates, `load_model` (which checkpoint layout a folder holds), `sample_responses` (batched
+`sampler.generate`), `evaluate_benchmark` (scoring), the results.json / results.md writers,
+and the command
+
+    python -m ba_jax.evaluate --config=configs/default.py --checkpoint=DIR \
+        --benchmarks=math500,aime24,aime25,olympiad,minerva,livecodebench --k=4
+
+Not here: reading the benchmark files (`benchmarks_data.py`), answer checking and the code
+sandbox (`rewards/`), the sampler itself. docs/evaluation.md documents files and metrics.
+
+Heavy modules (jax, transformers) are imported inside functions: the math scorer's workers
+are spawned and re-import this module as their `__main__`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ba_jax.benchmarks_data import BENCHMARKS, Benchmark, Problem
+
+MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+CODE_INSTRUCTION = (
+    "Write a complete Python 3 program that reads the input from standard input and prints "
+    "the answer to standard output. Put the whole program in a single ```python code block."
+)
+PLAIN_TEMPLATE = "{problem}\n"  # as ba_jax.data: base models get the bare text
+_NUMBER_RE = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are right: 1 - C(n-c, k) / C(n, k)."""
+    for name, v in (("n", n), ("c", c), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"pass_at_k: {name} must be an integer, got {v!r}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got n={n}, k={k}")
+    if n - c < k:  # every k-subset holds a right sample
+        return 1.0
+    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i): c factors in (0, 1], no huge binomials.
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def majority_index(keys: Sequence[str | None],
+                   same: Callable[[str, str], bool] | None = None) -> int | None:
+    """First sample of the largest answer cluster (ties: the cluster seen first), or None.
+
+    Samples with equal keys share a cluster; `same(earlier_key, later_key)` may merge more
+    (math-verify equivalence). A sample joins the first cluster whose first key matches it.
+    Samples without an answer (None) do not vote.
+    """
+    clusters: list[list[int]] = []
+    for i, key in enumerate(keys):
+        if key is None:
+            continue
+        for members in clusters:
+            rep = keys[members[0]]
+            if rep == key or (same is not None and same(rep, key)):
+                members.append(i)
+                break
+        else:
+            clusters.append([i])
+    if not clusters:
+        return None
+    return max(clusters, key=len)[0]  # max keeps the first of equal lengths
+
+
+def benchmark_metrics(correct_PG: np.ndarray, majority_P: Sequence[int | None] | None) -> dict:
+    """avg@k, pass@k (n = k) and maj@k from per-sample correctness and majority picks."""
+    correct_PG = np.asarray(correct_PG, bool)
+    P, G = correct_PG.shape
+    c_P = correct_PG.sum(1)
+    out = {
+        "avg@k": float(np.mean(c_P / G)),
+        "pass@k": float(np.mean([pass_at_k(G, int(c), G) for c in c_P])),
+        "maj@k": None,
+    }
+    if majority_P is not None:
+        out["maj@k"] = float(np.mean(
+            [i is not None and bool(correct_PG[p, i]) for p, i in enumerate(majority_P)]))
+    return out
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """How responses are sampled and judged; all of it is written to results.json."""
+
+    k: int = 4  # samples per problem
+    max_new_tokens: int = 1024
+    temperature: float = 0.6  # 0: greedy (then k > 1 repeats one answer)
+    top_p: float = 0.95
+    seed: int = 0
+    batch_prompts: int = 32  # problems per `generate` call (memory bound, one compile per bucket)
+    template: str = "chat"  # "chat": the tokenizer's chat template; "plain": PLAIN_TEMPLATE
+    enable_thinking: bool | None = None  # passed to chat templates that read it (Qwen3)
+    math_timeout_s: float = 5.0  # wall clock per math-verify call
+    code_timeout_s: float = 6.0  # per test, as LiveCodeBench
+    code_memory_mb: int = 1024
+    num_workers: int = 0  # scorer processes / sandbox threads; 0: one per CPU (math: <= 8)
+
+    def __post_init__(self):
+        if self.k < 1 or self.max_new_tokens < 1 or self.batch_prompts < 1:
+            raise ValueError(f"k, max_new_tokens and batch_prompts must be >= 1: {self}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1: {self}")
+        if self.template not in ("chat", "plain"):
+            raise ValueError(f"template must be 'chat' or 'plain', got {self.template!r}")
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def prompt_text(problem: Problem, kind: str) -> str:
+    """The user message of a problem: the Polaris suffix for math, a stdin program for code."""
+    if kind == "code":
+        return f"{problem.question}\n\n{CODE_INSTRUCTION}"
+    return f"{problem.question} {MATH_SUFFIX}"
+
+
+def render_prompts(texts: Sequence[str], tokenizer, *, template: str,
+                   enable_thinking: bool | None = None) -> list[list[int]]:
+    """User messages -> token ids through the chat template or the plain one (as data.py)."""
+    if template == "plain":
+        # A plain prompt gets the tokenizer's usual special tokens (a BOS where expected).
+        rendered = [PLAIN_TEMPLATE.replace("{problem}", t) for t in texts]
+        return [list(ids) for ids in tokenizer(rendered, add_special_tokens=True)["input_ids"]]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("template 'chat' but the tokenizer has no chat template; "
+                         "use --config.data.template=plain for base models")
+    options = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
+                                              add_generation_prompt=True, tokenize=False,
+                                              **options) for t in texts]
+    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+
+
+def eos_ids_of(tokenizer) -> list[int]:
+    """The tokenizer's EOS plus Qwen's end-of-turn and end-of-text tokens when present."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} - {None}
+    ids |= {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+    if not ids:
+        raise ValueError("the tokenizer defines no EOS token; generation could never stop")
+    return sorted(ids)
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+@dataclasses.dataclass
+class Samples:
+    """k decoded responses for each of P prompts."""
+
+    texts: list[list[str]]  # [P][k]
+    num_tokens_PG: np.ndarray  # int32 [P, k]: generated tokens, EOS included
+    finished_PG: np.ndarray  # bool [P, k]: stopped at an EOS (else cut at max_new_tokens)
+
+
+def sample_responses(model: Any, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
+                     settings: EvalSettings, key, eos_ids: Sequence[int],
+                     pad_id: int | None = None, mesh=None) -> Samples:
+    """`settings.k` responses per prompt, `settings.batch_prompts` prompts per generate call."""
+    import jax
+
+    from ba_jax import sampler
+
+    P, G = len(prompt_ids), settings.k
+    Pb = min(settings.batch_prompts, P)
+    order = sorted(range(P), key=lambda i: len(prompt_ids[i]))  # similar lengths share a bucket
+    texts: list[list[str]] = [[] for _ in range(P)]
+    num_tokens_PG = np.zeros((P, G), np.int32)
+    finished_PG = np.zeros((P, G), bool)
+    eos = set(int(e) for e in eos_ids)
+    for b, start in enumerate(range(0, P, Pb)):
+        idx = order[start:start + Pb]
+        batch = [list(prompt_ids[i]) for i in idx]
+        batch += [batch[-1]] * (Pb - len(batch))  # a fixed P: the last batch compiles nothing new
+        ro = sampler.generate(model, batch, num_samples=G, max_new_tokens=settings.max_new_tokens,
+                              key=jax.random.fold_in(key, b), temperature=settings.temperature,
+                              top_p=settings.top_p, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+        ids = [[int(t) for t in row[:n] if int(t) not in eos]
+               for row, n in zip(ro.tokens, ro.lengths)]
+        decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        for j, i in enumerate(idx):
+            rows = slice(j * G, (j + 1) * G)
+            texts[i] = decoded[rows]
+            num_tokens_PG[i] = ro.lengths[rows]
+            finished_PG[i] = ro.finish_reason[rows] == "eos"
+    return Samples(texts, num_tokens_PG, finished_PG)
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def final_answer(response: str) -> str | None:
+    """The boxed answer `boxed_reward` would judge: after the last `</think>`, if closed."""
+    from ba_jax.rewards.math import extract_boxed
+
+    k = response.rfind("</think>")
+    if k >= 0:
+        response = response[k + len("</think>"):]
+    elif "<think>" in response:
+        return None  # unfinished reasoning has no final answer
+    return extract_boxed(response)
+
+
+def _equivalences(answers_PG: list[list[str | None]], scorer) -> dict[tuple[str, str], bool]:
+    """Math-verify verdicts for every (earlier, later) pair of distinct answers of a problem."""
+    from ba_jax.rewards.math import normalize_answer
+
+    pairs: set[tuple[str, str]] = set()
+    for answers in answers_PG:
+        firsts: dict[str, str] = {}  # normalised key -> first raw answer with it
+        for a in answers:
+            if a is not None:
+                firsts.setdefault(normalize_answer(a), a)
+        raws = list(firsts.values())
+        pairs.update((raws[i], raws[j]) for i in range(len(raws)) for j in range(i + 1, len(raws)))
+    verdicts: dict[tuple[str, str], bool] = {}
+    todo = []
+    for a, b in pairs:
+        na, nb = normalize_answer(a), normalize_answer(b)
+        if _NUMBER_RE.fullmatch(na) and _NUMBER_RE.fullmatch(nb):
+            verdicts[(a, b)] = float(na) == float(nb)  # plain numbers need no sympy
+        else:
+            todo.append((a, b))
+    if todo:
+        res = scorer.score(["\\boxed{" + b + "}" for _, b in todo], [a for a, _ in todo],
+                           rule="boxed")
+        verdicts.update(((a, b), bool(ok)) for (a, b), ok in zip(todo, res.correct))
+    return verdicts
+
+
+def evaluate_benchmark(bench: Benchmark, samples: Samples, *, settings: EvalSettings,
+                       scorer=None) -> tuple[dict, list[dict]]:
+    """Score one benchmark's samples -> (its results.json entry, one record per sample)."""
+    from ba_jax.rewards.math import normalize_answer
+
+    P, G = len(bench.problems), settings.k
+    flat = [t for texts in samples.texts for t in texts]
+    detail: list[dict[str, Any]] = [{} for _ in flat]
+    if bench.kind == "math":
+        truths = [p.answer for p in bench.problems for _ in range(G)]
+        res = scorer.score(flat, truths, rule="boxed", timeout_s=settings.math_timeout_s)
+        correct_PG = res.correct.reshape(P, G)
+        scoring = {"timeouts": res.num_timeouts, "errors": res.num_errors}
+        answers_PG = [[final_answer(t) for t in texts] for texts in samples.texts]
+        same_table = _equivalences(answers_PG, scorer)
+        majority_P = []
+        for answers in answers_PG:
+            raw_of = {}
+            keys = [None if a is None else normalize_answer(a) for a in answers]
+            for a, key in zip(answers, keys):
+                if key is not None:
+                    raw_of.setdefault(key, a)
+            majority_P.append(majority_index(
+                keys, lambda x, y, raw_of=raw_of: same_table.get((raw_of[x], raw_of[y]), False)))
+        for i, a in enumerate(a for answers in answers_PG for a in answers):
+            detail[i]["answer"] = a
+    else:
+        from ba_jax.rewards.code import check_programs
+
+        items = [(t, list(p.tests)) for p, texts in zip(bench.problems, samples.texts)
+                 for t in texts]
+        results = check_programs(items, timeout_s=settings.code_timeout_s,
+                                 memory_mb=settings.code_memory_mb,
+                                 num_workers=settings.num_workers or None)
+        correct_PG = np.asarray([r.passed for r in results], bool).reshape(P, G)
+        scoring = {"statuses": dict(collections.Counter(r.status for r in results))}
+        majority_P = None  # sampled programs are almost never identical: no meaningful vote
+        for i, r in enumerate(results):
+            detail[i]["status"] = r.status
+    metrics = benchmark_metrics(correct_PG, majority_P)
+    entry = {
+        "kind": bench.kind, "file": bench.path, "num_problems": P, "k": G, **metrics,
+        "response_tokens_mean": float(samples.num_tokens_PG.mean()),
+        "finished_eos_frac": float(samples.finished_PG.mean()),
+        "reader_stats": bench.stats, "scoring": scoring,
+        "problems": [{"id": p.id, "correct": int(correct_PG[i].sum()),
+                      "maj_correct": None if majority_P is None else bool(
+                          majority_P[i] is not None and correct_PG[i, majority_P[i]])}
+                     for i, p in enumerate(bench.problems)],
+    }
+    records = [{"id": bench.problems[i // G].id, "sample": i % G, "correct": bool(correct_PG.flat[i]),
+                "num_tokens": int(samples.num_tokens_PG.flat[i]),
+                "finished": bool(samples.finished_PG.flat[i]), **detail[i], "response": flat[i]}
+               for i in range(P * G)]
+    return entry, records
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def detect_checkpoint(path: str) -> tuple[str, str]:
+    """(kind, folder): "hf", "converted" (convert_hf output) or "trainer" (its Orbax folder)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} is not a folder")
+    names = set(os.listdir(path))
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        return "hf", path
+    if "model_config.json" in names and "params" in names:
+        return "converted", path
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # a trainer WORKDIR
+        path = os.path.join(path, "checkpoints")
+        names = set(os.listdir(path))
+    if any(n.isdigit() and os.path.isdir(os.path.join(path, n)) for n in names):
+        return "trainer", path
+    raise ValueError(
+        f"{path!r} holds no checkpoint: expected a Hugging Face folder (config.json + "
+        "*.safetensors), a convert_hf output (model_config.json + params/), or a trainer "
+        "WORKDIR or WORKDIR/checkpoints (Orbax step folders)")
+
+
+def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[Any, Any, dict]:
+    """(model, tokenizer, info) of any checkpoint layout; info: kind, path, step, workdir."""
+    from flax import nnx
+
+    from ba_jax import build, checkpoint, train
+    from ba_jax.models import convert_hf
+
+    kind, folder = detect_checkpoint(path)
+    info = {"kind": kind, "path": os.path.abspath(folder), "step": None}
+    dtype = build.DTYPES[cfg.model.param_dtype]
+    if kind == "trainer":
+        try:
+            graphdef, params, info["step"] = train.load_policy(cfg, folder, step=step)
+        except checkpoint.CheckpointError as e:
+            raise checkpoint.CheckpointError(
+                f"{e}\nThe trainer checkpoint is read with --config's model; pass the config "
+                "the run was trained with (same variant and overrides).") from None
+        model = nnx.merge(graphdef, params)
+        info["workdir"] = os.path.dirname(os.path.abspath(folder))
+        tokenizer = build.load_tokenizer(cfg, info["workdir"])  # honours config.tokenizer_path
+    else:
+        if kind == "hf":
+            model = convert_hf.load_hf(folder, dtype=dtype, mesh=mesh)
+        else:
+            model = convert_hf.load_checkpoint(folder, dtype=dtype, mesh=mesh)
+        try:
+            tokenizer = convert_hf.load_tokenizer(cfg.tokenizer_path or folder)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e}; set --config.tokenizer_path") from None
+    return model, tokenizer, info
+
+
+# ------------------------------------------------------------------------------ reports
+
+
+def mean_row(entries: dict[str, dict]) -> dict:
+    """Unweighted mean over benchmarks (maj@k over those that report it)."""
+    out: dict[str, Any] = {"num_benchmarks": len(entries),
+                           "num_problems": sum(e["num_problems"] for e in entries.values())}
+    for metric in ("avg@k", "pass@k", "maj@k"):
+        vals = [e[metric] for e in entries.values() if e[metric] is not None]
+        out[metric] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def results_table(results: dict) -> str:
+    """Markdown table: benchmark, problems, avg@k, pass@k, maj@k (percent), then the mean."""
+    k = results["settings"]["k"]
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    lines = [f"| benchmark | problems | avg@{k} | pass@{k} | maj@{k} |", "|---|---:|---:|---:|---:|"]
+    rows = list(results["benchmarks"].items()) + [("mean", results["mean"])]
+    for name, e in rows:
+        lines.append(f"| {name} | {e['num_problems']} | {pct(e['avg@k'])} | {pct(e['pass@k'])} | "
+                     f"{pct(e['maj@k'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out_dir: str, results: dict) -> None:
+    """results.json and results.md in `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    s = results["settings"]
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(f"# Evaluation of {s['checkpoint']} (step {s['step']})\n\n"
+                f"k={s['k']}, temperature={s['temperature']}, top_p={s['top_p']}, "
+                f"max_new_tokens={s['max_new_tokens']}, seed={s['seed']}; values in percent.\n\n")
+        f.write(results_table(results))
+
+
+def run_evaluation(model: Any, tokenizer, benches: Sequence[Benchmark], settings: EvalSettings,
+                   *, out_dir: str, info: dict, mesh=None, save_samples: bool = True) -> dict:
+    """Sample, score and report every benchmark (results rewritten after each one)."""
+    import jax
+
+    from ba_jax.rewards.math import MathScorer
+
+    eos = eos_ids_of(tokenizer)
+    results: dict[str, Any] = {
+        "settings": {**dataclasses.asdict(settings), "checkpoint": info["path"],
+                     "checkpoint_kind": info["kind"], "step": info["step"],
+                     "benchmarks": [b.name for b in benches]},
+        "benchmarks": {}, "mean": {}}
+    with MathScorer(timeout_s=settings.math_timeout_s,
+                    num_workers=settings.num_workers or None) as scorer:
+        for bench in benches:
+            texts = [prompt_text(p, bench.kind) for p in bench.problems]
+            ids = render_prompts(texts, tokenizer, template=settings.template,
+                                 enable_thinking=settings.enable_thinking)
+            # One stream per benchmark name: its samples do not depend on which others run.
+            key = jax.random.fold_in(jax.random.key(settings.seed), list(BENCHMARKS).index(bench.name))
+            samples = sample_responses(model, tokenizer, ids, settings=settings, key=key,
+                                       eos_ids=eos, pad_id=tokenizer.pad_token_id, mesh=mesh)
+            entry, records = evaluate_benchmark(bench, samples, settings=settings, scorer=scorer)
+            results["benchmarks"][bench.name] = entry
+            results["mean"] = mean_row(results["benchmarks"])
+            write_results(out_dir, results)
+            if save_samples:
+                os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
+                with open(os.path.join(out_dir, "samples", f"{bench.name}.jsonl"), "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in records)
+            print(f"{bench.name}: {len(bench)} problems, avg@{settings.k} {entry['avg@k']:.3f}, "
+                  f"pass@{settings.k} {entry['pass@k']:.3f}", flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------ command
+
+
+def _define_flags():
+    """The command's flags (defined only when run as a program: ba_jax.main owns --config too)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
+    flags.DEFINE_string("checkpoint", None, "trainer WORKDIR (or its checkpoints/), convert_hf "
+                        "output, or Hugging Face folder")
+    flags.DEFINE_list("benchmarks", list(BENCHMARKS), f"comma list from {', '.join(BENCHMARKS)}")
+    flags.DEFINE_integer("k", 4, "samples per problem")
+    flags.DEFINE_string("out", None, "output folder (default: WORKDIR/eval/step_N for trainer "
+                        "checkpoints, else CHECKPOINT/eval)")
+    flags.DEFINE_string("bench_dir", "data/eval", "folder holding <benchmark>.jsonl / .parquet")
+    flags.DEFINE_integer("seed", 0, "sampling seed")
+    flags.DEFINE_float("temperature", 0.6, "sampling temperature (0: greedy)")
+    flags.DEFINE_float("top_p", 0.95, "nucleus sampling mass")
+    flags.DEFINE_integer("max_new_tokens", 0, "response budget; 0: config.rollout.max_new_tokens")
+    flags.DEFINE_integer("limit", 0, "first N problems per benchmark (0: all)")
+    flags.DEFINE_integer("batch_prompts", 32, "problems per generate call")
+    flags.DEFINE_integer("step", -1, "trainer checkpoint step (-1: newest)")
+    flags.DEFINE_integer("num_workers", 0, "scorer processes / sandbox threads (0: per CPU)")
+    flags.DEFINE_float("code_timeout_s", 6.0, "seconds per LiveCodeBench test")
+    flags.DEFINE_bool("save_samples", True, "write OUT/samples/<benchmark>.jsonl")
+    flags.mark_flags_as_required(["config", "checkpoint"])
+
+
+def main(argv) -> None:
+    del argv
+    import sys
+
+    from absl import flags, logging
+
+    from ba_jax import benchmarks_data, build, checkpoint
+
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
+    F = flags.FLAGS
+    cfg = F.config
+    try:
+        unknown = [b for b in F.benchmarks if b not in BENCHMARKS]
+        if unknown:
+            raise ValueError(f"--benchmarks: unknown {unknown}; valid: {', '.join(BENCHMARKS)}")
+        settings = EvalSettings(
+            k=F.k, max_new_tokens=F.max_new_tokens or cfg.rollout.max_new_tokens,
+            temperature=F.temperature, top_p=F.top_p, seed=F.seed,
+            batch_prompts=F.batch_prompts, template=cfg.data.template,
+            enable_thinking=cfg.data.enable_thinking, code_timeout_s=F.code_timeout_s,
+            num_workers=F.num_workers)
+        benches = [benchmarks_data.load_benchmark(
+            b, benchmarks_data.find_benchmark_file(F.bench_dir, b), limit=F.limit)
+            for b in F.benchmarks]  # read every file before the (slow) model load
+        mesh = build.make_mesh(cfg)
+        model, tokenizer, info = load_model(cfg, F.checkpoint, mesh=mesh,
+                                            step=None if F.step < 0 else F.step)
+        out = F.out or (os.path.join(info["workdir"], "eval", f"step_{info['step']}")
+                        if info["kind"] == "trainer" else os.path.join(info["path"], "eval"))
+        results = run_evaluation(model, tokenizer, benches, settings, out_dir=out, info=info,
+                                 mesh=mesh, save_samples=F.save_samples)
+    except (ValueError, FileNotFoundError, build.ConfigError, checkpoint.CheckpointError) as e:
+        sys.exit(f"ba_jax.evaluate: {e}")
+    print(results_table(results), end="")
+    print(f"wrote {os.path.join(out, 'results.json')} and results.md")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)
