@@ -162,12 +162,13 @@ def init_policy(cfg: Any, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.St
     if cfg.model.init == "hf":
         from ba_jax.models import convert_hf
 
-        model = convert_hf.load_hf(cfg.model.init_path, dtype=pdtype, mesh=mesh)
+        model = convert_hf.load_hf(cfg.model.init_path, dtype=dtype, param_dtype=pdtype, mesh=mesh)
         return nnx.split(model)
     if cfg.model.init == "checkpoint":
         from ba_jax.models import convert_hf
 
-        model = convert_hf.load_checkpoint(cfg.model.init_path, dtype=pdtype, mesh=mesh)
+        model = convert_hf.load_checkpoint(cfg.model.init_path, dtype=dtype, param_dtype=pdtype,
+                                           mesh=mesh)
         return nnx.split(model)
     mcfg = model_config(cfg)
 

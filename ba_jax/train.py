@@ -132,7 +132,13 @@ def init_state(params, tx, mesh) -> dict:
 
 
 def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
-    """Format-only supervised warm-up of the embedded task (see tasks/arithmetic.py)."""
+    """Short supervised warm-up of the embedded task, stopped at a target accuracy.
+
+    Targets are `Answer: N` with the true N (probability `warmup_correct_frac`) or a
+    random one. Training stops as soon as the policy's probability of producing the
+    true response, averaged over the batch (= its expected sampling accuracy), reaches
+    `warmup_target_accuracy`, so RL starts from a weak policy whatever the model size.
+    """
     a = cfg.arithmetic
     rng = np.random.default_rng([cfg.seed, 7])
     eos = tokenizer.eos_token_id
@@ -145,20 +151,26 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
     def step(params, opt_state, batch):
         def loss_fn(p):
             logp_BR, _ = policy_logprobs(graphdef, p, batch)
-            return -jnp.sum(batch["mask_BR"] * logp_BR) / jnp.maximum(batch["mask_BR"].sum(), 1)
+            seq_logp_B = jnp.sum(batch["mask_BR"] * logp_BR, axis=1)
+            loss = -jnp.sum(batch["mask_BR"] * logp_BR) / jnp.maximum(batch["mask_BR"].sum(), 1)
+            return loss, seq_logp_B
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        (loss, seq_logp_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        p_true = jnp.sum(batch["true_B"] * jnp.exp(seq_logp_B)) / jnp.maximum(batch["true_B"].sum(), 1)
+        return optax.apply_updates(params, updates), opt_state, loss, p_true
 
     n = a.warmup_batch_size
     row_sh = NamedSharding(mesh, PS(BATCH_AXES))
-    for _ in range(a.warmup_steps):
+    loss = p_true = float("nan")
+    steps = 0
+    for steps in range(1, a.warmup_steps + 1):
         idx = rng.integers(len(prompt_set.prompt_ids), size=n)
-        texts = arithmetic.warmup_responses(rng, [prompt_set.ground_truths[j] for j in idx],
-                                            a.max_operand, a.ops, a.warmup_correct_frac)
+        truths = [prompt_set.ground_truths[j] for j in idx]
+        texts = arithmetic.warmup_responses(rng, truths, a.max_operand, a.ops, a.warmup_correct_frac)
         b = dict(prompt_tokens_BT=np.zeros((n, Tp), np.int32), prompt_mask_BT=np.zeros((n, Tp), np.int32),
-                 tokens_BR=np.zeros((n, R), np.int32), mask_BR=np.zeros((n, R), np.float32))
+                 tokens_BR=np.zeros((n, R), np.int32), mask_BR=np.zeros((n, R), np.float32),
+                 true_B=np.array([t == f"Answer: {g}" for t, g in zip(texts, truths)], np.float32))
         for i, (j, t) in enumerate(zip(idx, texts)):
             p = prompt_set.prompt_ids[j]
             b["prompt_tokens_BT"][i, Tp - len(p):] = p
@@ -166,8 +178,10 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
             r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [eos])[:R]
             b["tokens_BR"][i, : len(r)] = r
             b["mask_BR"][i, : len(r)] = 1
-        params, opt_state, loss = step(params, opt_state, jax.device_put(b, row_sh))
-    return params, float(loss)
+        params, opt_state, loss, p_true = step(params, opt_state, jax.device_put(b, row_sh))
+        if float(p_true) >= a.warmup_target_accuracy:
+            break
+    return params, dict(steps=steps, loss=float(loss), p_true=float(p_true))
 
 
 def _eos_ids(tokenizer) -> set[int]:
@@ -209,9 +223,10 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     else:
         start = 0
         if cfg.task == "arithmetic" and cfg.arithmetic.warmup_steps > 0:
-            params, loss = _warmup(cfg, graphdef, state["params"], prompt_set, tokenizer, mesh)
+            params, w = _warmup(cfg, graphdef, state["params"], prompt_set, tokenizer, mesh)
             state = init_state(params, tx, mesh)
-            print(f"format warm-up: {cfg.arithmetic.warmup_steps} steps, final loss {loss:.3f}")
+            print(f"warm-up: {w['steps']} supervised steps, loss {w['loss']:.3f}, "
+                  f"p(true answer) {w['p_true']:.3f}; RL starts now")
         ckpt.save(0, state, dict(step=0, data_iterator=iterator.state(), config=_config_json(cfg)))
     plots = os.path.join(workdir, "plots")
     if start >= cfg.num_train_steps:
@@ -232,8 +247,11 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     row_sh = NamedSharding(mesh, PS(BATCH_AXES))
     writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,
                                        flush_every=cfg.log_every)
+    # The DAPO rule is a regex over 300 characters: scoring it in-process is safe and
+    # avoids a pool round trip per step; `boxed` (math-verify) always goes to the pool.
     scorer = math_rewards.MathScorer(timeout_s=cfg.reward.timeout_s,
-                                     num_workers=cfg.reward.num_workers or None)
+                                     num_workers=cfg.reward.num_workers or None,
+                                     inline_below=1 << 30 if cfg.reward.inline_dapo else 32)
     G = cfg.rollout.num_samples
     rows_per_mb = P // M * G
 

@@ -20,7 +20,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.num_train_steps = 300
+    c.num_train_steps = 600
     c.log_every = 10  # TensorBoard flush cadence (steps)
     c.max_consecutive_nonfinite = 5  # stop after this many non-finite updates in a row
 
@@ -33,12 +33,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             init_path="",  # HF folder (init=hf) or convert_hf output (init=checkpoint)
             arch="qwen3",  # qwen2 (q/k/v bias) | qwen3 (q/k norm)
             vocab_size=101,
-            hidden_size=128,
-            intermediate_size=384,
+            hidden_size=64,
+            intermediate_size=192,
             num_layers=2,
             num_heads=4,
             num_kv_heads=2,
-            head_dim=32,
+            head_dim=16,
             rope_theta=10000.0,
             tie_word_embeddings=True,
             rms_norm_eps=1e-6,
@@ -53,8 +53,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Where prompts come from: the embedded arithmetic generator, or a local dataset.
     c.task = "arithmetic"  # arithmetic | dataset
     c.arithmetic = ml_collections.ConfigDict(
-        dict(max_operand=9, ops="+", num_problems=100, warmup_steps=150, warmup_batch_size=64,
-             warmup_learning_rate=3e-3, warmup_correct_frac=0.0)
+        dict(max_operand=9, ops="+", num_problems=100,
+             # Supervised warm-up: at most `warmup_steps`, stopped once the policy's
+             # probability of the true answer reaches `warmup_target_accuracy`.
+             warmup_steps=300, warmup_batch_size=64, warmup_learning_rate=3e-3,
+             warmup_correct_frac=1.0, warmup_target_accuracy=0.15)
     )
     c.data = ml_collections.ConfigDict(
         dict(path="", format="auto", template="plain", max_prompt_tokens=64, prompt_suffix="",
@@ -62,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
 
     c.rollout = ml_collections.ConfigDict(
-        dict(prompts_per_step=16, num_samples=8, max_new_tokens=12, temperature=1.0, top_k=0,
+        dict(prompts_per_step=16, num_samples=16, max_new_tokens=8, temperature=1.0, top_k=0,
              top_p=1.0)
     )
     c.grpo = ml_collections.ConfigDict(
@@ -86,13 +89,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         )
     )
     c.optim = ml_collections.ConfigDict(
-        dict(learning_rate=2e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=5, b1=0.9, b2=0.99)
+        dict(learning_rate=1e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=5, b1=0.9, b2=0.99)
     )
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1: all devices
     c.checkpoint = ml_collections.ConfigDict(
         dict(every_steps=50, max_to_keep=2, fallback_to_previous=False)
     )
-    c.reward = ml_collections.ConfigDict(dict(timeout_s=5.0, num_workers=0))
+    # Scoring: per-item wall-clock limit, pool size (0: one per CPU, at most 8), and
+    # whether the regex-only DAPO rule is scored in-process (math-verify never is).
+    c.reward = ml_collections.ConfigDict(dict(timeout_s=5.0, num_workers=0, inline_dapo=True))
 
     if arg == "debug":
         c.num_train_steps = 3
