@@ -393,7 +393,8 @@ def write_results(out_dir: str, results: dict) -> None:
         json.dump(results, f, indent=1)
     s = results["settings"]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(f"# Evaluation of {s['checkpoint']} (step {s['step']})\n\n"
+        step = "" if s["step"] is None else f" (step {s['step']})"
+        f.write(f"# Evaluation of {s['checkpoint']}{step}\n\n"
                 f"k={s['k']}, temperature={s['temperature']}, top_p={s['top_p']}, "
                 f"max_new_tokens={s['max_new_tokens']}, seed={s['seed']}; values in percent.\n\n")
         f.write(results_table(results))
