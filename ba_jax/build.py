@@ -182,12 +182,24 @@ def init_policy(cfg: Any, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.St
 
 
 def make_optimizer(cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warm-up then constant LR (the DAPO recipe), global-norm clipping."""
+    """AdamW, linear warm-up then constant (DAPO recipe) or cosine LR, global-norm clipping.
+
+    Update k (from 0) uses lr * min(1, (k+1)/warmup) during warm-up (never exactly 0);
+    `cosine` then decays to `final_lr_fraction * lr` at the last update.
+    """
     o = cfg.optim
     warm = max(1, o.warmup_steps)
+    total = max(warm + 1, cfg.num_train_steps * cfg.grpo.num_updates * cfg.grpo.num_minibatches)
+    _check(o.schedule in ("constant", "cosine"),
+           f"config.optim.schedule={o.schedule!r}; valid: constant, cosine")
 
-    def schedule(count):  # update k (from 0) uses lr * min(1, (k+1)/warmup): never exactly 0
-        return o.learning_rate * jnp.minimum(1.0, (count + 1) / warm)
+    def schedule(count):
+        ramp = jnp.minimum(1.0, (count + 1) / warm)
+        if o.schedule == "constant":
+            return o.learning_rate * ramp
+        frac = jnp.clip((count + 1 - warm) / (total - warm), 0.0, 1.0)
+        decay = o.final_lr_fraction + (1 - o.final_lr_fraction) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
+        return o.learning_rate * ramp * decay
 
     tx = optax.chain(
         optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),

@@ -20,7 +20,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.num_train_steps = 600
+    c.num_train_steps = 500
     c.log_every = 10  # TensorBoard flush cadence (steps)
     c.max_consecutive_nonfinite = 5  # stop after this many non-finite updates in a row
 
@@ -89,7 +89,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         )
     )
     c.optim = ml_collections.ConfigDict(
-        dict(learning_rate=1e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=5, b1=0.9, b2=0.99)
+        dict(learning_rate=1.5e-3, schedule="cosine", final_lr_fraction=0.1, weight_decay=0.0,
+             grad_clip=1.0, warmup_steps=5, b1=0.9, b2=0.99)
     )
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1: all devices
     c.checkpoint = ml_collections.ConfigDict(

@@ -96,6 +96,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.grpo.overlong_buffer = 4096
     c.grpo.overlong_factor = 1.0
     c.optim.learning_rate = 1e-6
+    c.optim.schedule = "constant"
     c.optim.weight_decay = 0.1
     c.optim.grad_clip = 1.0
     c.optim.warmup_steps = 10

@@ -45,10 +45,10 @@ def params_of(workdir):
 
 @pytest.mark.parametrize("rule", aggregation.RULES)
 def test_every_rule_runs_and_logs(tmp_path, rule):
-    cfg = debug_config(**{"grpo.aggregation": rule, "num_train_steps": 2})
+    cfg = debug_config(**{"grpo.aggregation": rule, "num_train_steps": 1})
     train.train_and_evaluate(cfg, str(tmp_path))
     rows = read_metrics(str(tmp_path))
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     for r in rows:
         for key in ("reward_mean", "accuracy", "response_length_mean", "response_length_cv",
                     "grad_norm", "learning_rate", "entropy", "clipfrac_high", "diag_signed_mass_token",
