@@ -90,18 +90,35 @@ class Checkpointer:
         steps = self.steps()
         if not steps:
             return None
-        errors = []
+        errors, bad = [], []
         for step in reversed(steps):
             try:
                 state, meta = self.restore(step, abstract_state)
                 if errors:
                     logging.warning("resumed from step %d; skipped: %s", step, errors)
+                    self._set_aside(bad)
                 return step, state, meta
             except CheckpointError as e:
                 if not fallback_to_previous:
                     raise
                 errors.append(str(e))
+                bad.append(step)
         raise CheckpointError("no checkpoint could be restored:\n" + "\n".join(errors))
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move unreadable steps out of the manager's folder (kept for inspection, not
+        deleted) so the resumed run can write those step numbers again."""
+        aside = self.directory.rstrip("/") + "_unreadable"
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            dst = os.path.join(aside, str(step))
+            n = 0
+            while os.path.exists(dst):
+                n += 1
+                dst = os.path.join(aside, f"{step}.{n}")
+            os.rename(os.path.join(self.directory, str(step)), dst)
+            logging.warning("moved unreadable checkpoint %d to %s", step, dst)
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.close()

@@ -99,7 +99,9 @@ def collect(
     kept, spare, timing = [], [], dict(sample_s=0.0, score_s=0.0, timeouts=0, errors=0)
     first_round = None
     n_kept = 0
+    rounds_run = 0
     for r in range(rounds):
+        rounds_run = r + 1
         prompt_ids, truths = next_prompts()
         rows, t = _round(policy, prompt_ids, truths, cfg=cfg, key=jax.random.fold_in(key, r),
                          tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids, rule=rule, mesh=mesh)
@@ -149,12 +151,12 @@ def collect(
         degenerate_group_frac=float(np.mean(rew_PG.max(1) == rew_PG.min(1))),
         batch_reward_mean=float(reward_B.mean()),
         batch_degenerate_group_frac=float(np.mean(adv_B.reshape(P, G).std(1) == 0)),
-        sampling_rounds=float(len(kept) if cfg.grpo.dynamic_sampling else 1),
+        sampling_rounds=float(rounds_run),
         reward_timeouts=float(timing["timeouts"]),
         reward_errors=float(timing["errors"]),
         sample_time_s=timing["sample_s"],
         score_time_s=timing["score_s"],
-        generated_tokens=float(sum(float(c["lengths_B"].sum()) for c in [fr])),
+        generated_tokens=float(fr["lengths_B"].sum()),
     )
     batch = dict(
         prompt_tokens_BT=rows["prompt_tokens_BT"].astype(np.int32),

@@ -110,3 +110,80 @@ def test_unknown_rule_is_a_startup_error(tmp_path):
     with pytest.raises(build.ConfigError, match="balanced_batch"):
         train.train_and_evaluate(debug_config(**{"grpo.aggregation": "balancd"}), str(tmp_path))
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_kl_dynamic_sampling_minibatches_and_microbatches(tmp_path):
+    cfg = debug_config(**{
+        "num_train_steps": 2, "grpo.kl_kind": "k3", "grpo.kl_beta": 0.1,
+        "grpo.dynamic_sampling": True, "grpo.max_resample_rounds": 2,
+        "grpo.num_updates": 2, "grpo.num_minibatches": 2, "grpo.num_microbatches": 2,
+        "grpo.overlong_buffer": 4, "grpo.dual_clip": 3.0,
+    })
+    train.train_and_evaluate(cfg, str(tmp_path), devices=jax.devices()[:2])
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert np.isfinite(r["kl"]) and r["kl"] >= 0.0
+        assert 1 <= r["sampling_rounds"] <= 3
+    # 2 epochs x 2 mini-batches = 4 optimizer updates per step, none skipped.
+    _, _, meta = params_of(str(tmp_path))
+    assert meta["step"] == 2
+
+
+def test_unreadable_latest_checkpoint_is_named_and_fallback_works(tmp_path):
+    import shutil
+
+    wd = str(tmp_path)
+    train.train_and_evaluate(debug_config(num_train_steps=2), wd)
+    ckdir = os.path.join(wd, "checkpoints")
+    steps = sorted(int(d) for d in os.listdir(ckdir) if d.isdigit())
+    assert steps[-1] == 2 and len(steps) >= 2
+    shutil.rmtree(os.path.join(ckdir, "2", "state"))
+    with pytest.raises(checkpoint.CheckpointError, match=os.path.join(ckdir, "2")):
+        train.train_and_evaluate(debug_config(num_train_steps=3), wd)
+    cfg = debug_config(**{"num_train_steps": 3, "checkpoint.fallback_to_previous": True})
+    train.train_and_evaluate(cfg, wd)
+    assert [r["step"] for r in read_metrics(wd)] == list(range(1, 4))
+
+
+def test_start_from_converted_hf_weights(tmp_path):
+    from ba_jax.models import convert_hf
+    from helpers_hf import make_tiny_hf
+
+    hf = make_tiny_hf(tmp_path / "hf", arch="qwen3", tie=True)
+    converted = str(tmp_path / "converted")
+    convert_hf.save_checkpoint(convert_hf.load_hf(hf), converted)
+    expected = jax.tree.leaves(jax.device_get(nnx_params(convert_hf.load_checkpoint(converted))))
+    cfg = debug_config(**{"num_train_steps": 1, "model.init": "checkpoint",
+                          "model.init_path": converted, "arithmetic.warmup_steps": 0})
+    wd = str(tmp_path / "run")
+    train.train_and_evaluate(cfg, wd)
+    ck = checkpoint.Checkpointer(os.path.join(wd, "checkpoints"))
+    mesh = build.make_mesh(cfg)
+    graphdef, params = build.init_policy(cfg, mesh)
+    tx, _ = build.make_optimizer(cfg)
+    state, _ = ck.restore(0, train.init_state(params, tx, mesh))
+    ck.close()
+    for a, b in zip(expected, jax.tree.leaves(jax.device_get(state["params"]))):
+        np.testing.assert_array_equal(a, b)
+    assert len(read_metrics(wd)) == 1
+
+
+def nnx_params(model):
+    from flax import nnx
+
+    return nnx.split(model)[1]
+
+
+def test_plot_command_overlays_runs(tmp_path):
+    from ba_jax import plot
+
+    for name, acc in (("a", 0.1), ("b", 0.5)):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for step in range(1, 6):
+                f.write(json.dumps({"step": step, "reward_mean": acc, "accuracy": acc * step,
+                                    "response_length_mean": 10.0 + step}) + "\n")
+    out = tmp_path / "plots"
+    plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
+    assert sorted(os.listdir(out)) == ["accuracy.png", "response_length_mean.png", "reward_mean.png"]
