@@ -1,0 +1,211 @@
+"""GRPO train-step and sampler throughput of a Qwen3-1.7B-shaped policy on NVIDIA GPUs, as MFU.
+
+Workload: the Qwen3-1.7B preset (1.72B parameters, random weights), float32 master weights
+and AdamW state, bfloat16 compute, layer remat. Train: the real jitted `train.train_step`
+(aggregation weights, clipped surrogate, micro-batch accumulation, AdamW) on 4 prompts x 4
+samples of 512 prompt + 1536 response tokens, 4 micro-batches. Sampling: `sampler.generate`
+of 8 prompts x 16 samples, 256 prompt tokens, 512 new tokens. Rows are split over every
+visible GPU (mesh data=-1). The peer is the hardware: MFU = model FLOP/s / (peak bf16 dense
+FLOP/s x GPUs), with
+  train  FLOPs/token = 6 P + 12 L N H T   (P parameters incl. the tied lm_head; T sequence;
+                                           attention scores are computed in full, not causal-halved)
+  decode FLOPs/token = 2 P + 4 L N H S    (S cache slots attended per step)
+Remat recomputes the forward, so hardware FLOPs are ~8/6 of the counted ones (not credited).
+Peak bf16 dense TFLOP/s by device kind: `PEAK_TFLOPS` (override with --peak_tflops).
+The plan's estimate of the train step's peak memory (ba_jax.plan) is printed next to
+the measured peak.
+
+    python benchmarks/gpu_step.py [--steps 3] [--no-remat] [--peak_tflops 989]
+
+Without an NVIDIA GPU it prints a message and exits 0. `--force_cpu --preset=""` runs the
+code path on CPU with the tiny default model (for checking the script, not for numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # default .75 wastes 20 GB
+
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA data sheets, without sparsity).
+PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
+               "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Peak bf16 TFLOP/s of a device kind string (longest matching name), or None."""
+    hits = [k for k in PEAK_TFLOPS if k.lower() in device_kind.lower()]
+    return PEAK_TFLOPS[max(hits, key=len)] if hits else None
+
+
+def _pct(x: float) -> str:
+    return "n/a (unknown peak: pass --peak_tflops)" if np.isnan(x) else f"{x:.1%}"
+
+
+def find_devices(force_cpu: bool) -> list:
+    """The NVIDIA GPUs JAX sees (or the CPU with --force_cpu); [] when there is none."""
+    import jax
+
+    if force_cpu:
+        return jax.devices("cpu")
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return []
+    return [d for d in devices if "nvidia" in d.device_kind.lower() or d.platform == "gpu"]
+
+
+def make_config(args):
+    spec = importlib.util.spec_from_file_location("ba_jax_default_config",
+                                                  os.path.join(REPO, "configs", "default.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.get_config()
+    cfg.model.preset = args.preset
+    cfg.model.dtype, cfg.model.param_dtype = "bfloat16", "float32"
+    cfg.model.use_remat = args.remat
+    cfg.rollout.prompts_per_step, cfg.rollout.num_samples = args.prompts, args.samples
+    cfg.rollout.max_new_tokens = args.response_len
+    cfg.data.max_prompt_tokens = args.prompt_len
+    cfg.grpo.num_microbatches = args.microbatches
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
+    return cfg
+
+
+def synthetic_batch(cfg, vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A rollout batch of full-length rows with +-1 advantages (no EOS: all tokens count)."""
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
+    B, Tp, R = P * G, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    return dict(
+        prompt_tokens_BT=rng.integers(0, vocab, (B, Tp), dtype=np.int32),
+        prompt_mask_BT=np.ones((B, Tp), np.int32),
+        tokens_BR=rng.integers(0, vocab, (B, R), dtype=np.int32),
+        mask_BR=np.ones((B, R), np.float32),
+        old_logp_BR=np.full((B, R), -np.log(vocab), np.float32),
+        adv_B=rng.choice(np.array([-1.0, 1.0], np.float32), B),
+        group_id_B=np.repeat(np.arange(P, dtype=np.int32), G),
+    )
+
+
+def bench_train(cfg, devices, steps: int):
+    """(median step seconds, state, graphdef, measured peak bytes or None)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ba_jax import build, train
+
+    mesh = build.make_mesh(cfg, devices)
+    graphdef, params = build.init_policy(cfg, mesh)
+    tx, _ = build.make_optimizer(cfg)
+    state = train.init_state(params, tx, mesh)
+    step_fn = train.make_train_step(cfg, graphdef, state, mesh,
+                                    num_groups=cfg.rollout.prompts_per_step)
+    vocab = build.model_config(cfg).vocab_size
+    row_sh = NamedSharding(mesh, PartitionSpec(train.BATCH_AXES))
+    batch = jax.device_put(synthetic_batch(cfg, vocab, np.random.default_rng(0)), row_sh)
+    state, out = step_fn(state, batch)  # compile
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, out = step_fn(state, batch)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    stats = devices[0].memory_stats() or {}
+    return statistics.median(times), state, graphdef, stats.get("peak_bytes_in_use")
+
+
+def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]:
+    """(seconds of the second generate call, tokens generated in it)."""
+    import jax
+    from flax import nnx
+
+    from ba_jax import sampler
+
+    model = nnx.merge(graphdef, params)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, vocab - 1, args.sample_prompt_len)) for _ in
+               range(args.sample_prompts)]
+    kw = dict(num_samples=args.sample_samples, max_new_tokens=args.sample_new_tokens,
+              temperature=1.0, eos_ids=[vocab - 1], pad_id=0, mesh=mesh)
+    sampler.generate(model, prompts, key=jax.random.key(0), **kw)  # compile
+    t0 = time.perf_counter()
+    ro = sampler.generate(model, prompts, key=jax.random.key(1), **kw)
+    return time.perf_counter() - t0, int(ro.lengths.sum())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="Qwen3-1.7B", help='ModelConfig preset ("": tiny default)')
+    p.add_argument("--steps", type=int, default=3, help="timed train steps (after one compile)")
+    p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--prompt_len", type=int, default=512)
+    p.add_argument("--response_len", type=int, default=1536)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--sample_prompts", type=int, default=8)
+    p.add_argument("--sample_samples", type=int, default=16)
+    p.add_argument("--sample_prompt_len", type=int, default=256)
+    p.add_argument("--sample_new_tokens", type=int, default=512)
+    p.add_argument("--peak_tflops", type=float, default=0.0, help="per-GPU bf16 peak override")
+    p.add_argument("--force_cpu", action="store_true", help="run on CPU (script check only)")
+    args = p.parse_args(argv)
+
+    devices = find_devices(args.force_cpu)
+    if not devices:
+        print("benchmarks/gpu_step.py: no NVIDIA GPU visible to JAX (install jax[cuda12]=="
+              "0.10.2, see docs/scaling.md); nothing measured.")
+        return
+    import jax
+
+    from ba_jax import build, plan
+
+    kind = devices[0].device_kind
+    peak = args.peak_tflops or peak_tflops(kind) or float("nan")
+    cfg = make_config(args)
+    build.validate(cfg, len(devices))
+    mc = build.model_config(cfg)
+    planned = plan.plan(cfg, len(devices))
+    n_params = planned["param_count"]
+    L, N, H = mc.num_layers, mc.num_heads, mc.head_dim
+    print(f"jax {jax.__version__}; {len(devices)} x {kind}; peak {peak:g} bf16 TFLOP/s per device"
+          f"{' (--peak_tflops)' if args.peak_tflops else ''}; model {n_params:,} parameters, "
+          f"remat {'on' if args.remat else 'off'}")
+
+    T = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.num_samples
+    step_s, state, graphdef, peak_bytes = bench_train(cfg, devices, args.steps)
+    tok_s = rows * T / step_s
+    flops_tok = 6 * n_params + 12 * L * N * H * T
+    mfu = _pct(tok_s * flops_tok / (peak * 1e12 * len(devices)))
+    print(f"train: {rows} rows x {T} tokens, {args.microbatches} micro-batches: "
+          f"{step_s * 1e3:.0f} ms/step, {tok_s:,.0f} tokens/s, MFU {mfu} "
+          f"({flops_tok / 1e9:.2f} GFLOP/token)")
+    est = planned["bytes"]["train_peak"] / 2**30
+    got = "n/a" if peak_bytes is None else f"{peak_bytes / 2**30:.1f} GiB"
+    print(f"train memory on device 0: measured peak {got}; ba_jax.plan estimate {est:.1f} GiB")
+
+    sec, gen = bench_sampler(graphdef, state["params"], args, mc.vocab_size,
+                             build.make_mesh(cfg, devices))
+    from ba_jax import sampler
+
+    S = sampler.prompt_bucket(args.sample_prompt_len) + args.sample_new_tokens
+    flops_dec = 2 * n_params + 4 * L * N * H * S
+    mfu_dec = _pct(gen / sec * flops_dec / (peak * 1e12 * len(devices)))
+    print(f"sample: {args.sample_prompts} prompts x {args.sample_samples} samples, "
+          f"{args.sample_new_tokens} new tokens: {gen:,} tokens in {sec:.2f} s, "
+          f"{gen / sec:,.0f} tokens/s, MFU {mfu_dec} (decode is memory-bound)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
