@@ -34,6 +34,18 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_workdir(workdir: str) -> None:
+    """The run folder must be creatable and writable (checked before any work)."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_probe")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--workdir={workdir!r} is not a writable folder: {e}") from e
+
+
 def validate(cfg: Any, num_devices: int) -> None:
     """Fail before any work for every option a run could only trip over later."""
     g, r = cfg.grpo, cfg.rollout
@@ -77,6 +89,19 @@ def validate(cfg: Any, num_devices: int) -> None:
     _check(0 < cfg.rollout.top_p <= 1, "config.rollout.top_p must be in (0, 1]")
     _check(cfg.num_train_steps >= 0, "config.num_train_steps must be >= 0")
     _check(cfg.checkpoint.every_steps >= 1, "config.checkpoint.every_steps must be >= 1")
+    _check(cfg.checkpoint.max_to_keep >= 1, "config.checkpoint.max_to_keep must be >= 1")
+    _check(cfg.optim.schedule in ("constant", "cosine"),
+           f"config.optim.schedule={cfg.optim.schedule!r}; valid: constant, cosine")
+    _check(cfg.optim.learning_rate > 0, "config.optim.learning_rate must be > 0")
+    _check(cfg.max_consecutive_nonfinite >= 1, "config.max_consecutive_nonfinite must be >= 1")
+    if cfg.model.preset:
+        _check(cfg.model.preset in qwen.PRESETS,
+               f"config.model.preset={cfg.model.preset!r}; valid: {', '.join(sorted(qwen.PRESETS))}")
+    elif cfg.model.init == "random":
+        try:
+            model_config(cfg)
+        except ValueError as e:
+            raise ConfigError(f"config.model: {e}") from e
 
 
 def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:
@@ -145,11 +170,17 @@ def load_prompt_set(cfg: Any, tokenizer, workdir: str) -> data.PromptDataset:
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
     else:
         d = cfg.data
-        dcfg = data.DataConfig(path=d.path, format=d.format, template=d.template,
-                               max_prompt_tokens=d.max_prompt_tokens,
-                               prompt_suffix=d.prompt_suffix or None,
-                               enable_thinking=d.enable_thinking)
-    ds = data.load_prompts(dcfg, tokenizer)
+        try:
+            dcfg = data.DataConfig(path=d.path, format=d.format, template=d.template,
+                                   max_prompt_tokens=d.max_prompt_tokens,
+                                   prompt_suffix=d.prompt_suffix or None,
+                                   enable_thinking=d.enable_thinking)
+        except ValueError as e:
+            raise ConfigError(f"config.data: {e}") from e
+    try:
+        ds = data.load_prompts(dcfg, tokenizer)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise ConfigError(f"config.data ({dcfg.path}): {e}") from e
     _check(len(ds.prompt_ids) >= cfg.rollout.prompts_per_step,
            f"only {len(ds.prompt_ids)} usable prompts in {dcfg.path} (stats {ds.stats}); "
            f"config.rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
@@ -159,16 +190,16 @@ def load_prompt_set(cfg: Any, tokenizer, workdir: str) -> data.PromptDataset:
 def init_policy(cfg: Any, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) of the initial policy, each parameter placed with its sharding."""
     dtype, pdtype = DTYPES[cfg.model.dtype], DTYPES[cfg.model.param_dtype]
-    if cfg.model.init == "hf":
+    if cfg.model.init in ("hf", "checkpoint"):
         from ba_jax.models import convert_hf
 
-        model = convert_hf.load_hf(cfg.model.init_path, dtype=dtype, param_dtype=pdtype, mesh=mesh)
-        return nnx.split(model)
-    if cfg.model.init == "checkpoint":
-        from ba_jax.models import convert_hf
-
-        model = convert_hf.load_checkpoint(cfg.model.init_path, dtype=dtype, param_dtype=pdtype,
-                                           mesh=mesh)
+        load = convert_hf.load_hf if cfg.model.init == "hf" else convert_hf.load_checkpoint
+        try:
+            model = load(cfg.model.init_path, dtype=dtype, param_dtype=pdtype, mesh=mesh)
+        except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+            raise ConfigError(
+                f"config.model.init_path={cfg.model.init_path!r} (init={cfg.model.init}): "
+                f"{type(e).__name__}: {e}") from e
         return nnx.split(model)
     mcfg = model_config(cfg)
 

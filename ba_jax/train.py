@@ -198,11 +198,27 @@ def _config_json(cfg) -> str:
     return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
 
 
+def _save(ckpt, step: int, state, iterator, cfg) -> float:
+    """Checkpoint `step`; a failed write (disk full, permissions) stops the run with the
+    previous checkpoint intact (Orbax writes to a temporary folder and renames it)."""
+    t0 = time.perf_counter()
+    try:
+        ckpt.save(step, state, dict(step=step, data_iterator=iterator.state(),
+                                    config=_config_json(cfg)))
+    except OSError as e:
+        prev = [s for s in ckpt.steps() if s < step]
+        raise checkpoint.CheckpointError(
+            f"saving checkpoint step {step} in {ckpt.directory} failed ({e}); "
+            + (f"the previous checkpoint (step {prev[-1]}) is intact: fix the cause and run "
+               "again to resume from it" if prev else "no earlier checkpoint exists")) from e
+    return time.perf_counter() - t0
+
+
 def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str:
     """Run (or resume) the RL loop of `cfg` in `workdir` on `devices` (default all)."""
     devices = jax.devices() if devices is None else devices
     build.validate(cfg, len(devices))
-    os.makedirs(workdir, exist_ok=True)
+    build.check_workdir(workdir)
     mesh = build.make_mesh(cfg, devices)
     tokenizer = build.load_tokenizer(cfg, workdir)
     prompt_set = build.load_prompt_set(cfg, tokenizer, workdir)
@@ -227,7 +243,7 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
             state = init_state(params, tx, mesh)
             print(f"warm-up: {w['steps']} supervised steps, loss {w['loss']:.3f}, "
                   f"p(true answer) {w['p_true']:.3f}; RL starts now")
-        ckpt.save(0, state, dict(step=0, data_iterator=iterator.state(), config=_config_json(cfg)))
+        _save(ckpt, 0, state, iterator, cfg)
     plots = os.path.join(workdir, "plots")
     if start >= cfg.num_train_steps:
         ckpt.close()
@@ -260,6 +276,7 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
         return [prompt_set.prompt_ids[i] for i in idx], [prompt_set.ground_truths[i] for i in idx]
 
     nonfinite_run = 0
+    last_save_s = 0.0
     try:
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
@@ -287,17 +304,19 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
             nonfinite_run = nonfinite_run + 1 if nonfinite else 0
             upd = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
             upd["nonfinite_updates"] = nonfinite
-            if it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps:
-                ckpt.save(it, state, dict(step=it, data_iterator=iterator.state(),
-                                          config=_config_json(cfg)))
-            t3 = time.perf_counter()
-            total = t3 - t0
+            total = t2 - t0
             record = dict(exp.metrics) | upd | {f"diag_{k}": v for k, v in jax.device_get(diag).items()}
-            record.update(learning_rate=float(schedule(int(state["step"]) - 1)),
-                          step_time_s=total, update_time_s=t2 - t1, checkpoint_time_s=t3 - t2,
+            record.update(learning_rate=float(schedule(max(int(state["step"]) - 1, 0))),
+                          step_time_s=total, update_time_s=t2 - t1,
+                          checkpoint_time_s=last_save_s,  # the save at the end of the previous step
                           sampling_time_share=exp.metrics["sample_time_s"] / total,
                           tokens_per_s=exp.metrics["generated_tokens"] / max(exp.metrics["sample_time_s"], 1e-9))
+            # The line is written before the checkpoint: a kill in between resumes from the
+            # previous checkpoint and rewrites this step, so no step is ever missing.
             writer.write(it, record)
+            last_save_s = 0.0
+            if it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps:
+                last_save_s = _save(ckpt, it, state, iterator, cfg)
             if nonfinite_run >= cfg.max_consecutive_nonfinite:
                 raise FloatingPointError(
                     f"{nonfinite_run} steps in a row had a non-finite loss or gradient (last at step "
