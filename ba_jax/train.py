@@ -222,6 +222,7 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     mesh = build.make_mesh(cfg, devices)
     tokenizer = build.load_tokenizer(cfg, workdir)
     prompt_set = build.load_prompt_set(cfg, tokenizer, workdir)
+    print("prompts: " + ", ".join(f"{k} {v}" for k, v in prompt_set.stats.items()))
     eos_ids = _eos_ids(tokenizer)
     graphdef, params = build.init_policy(cfg, mesh)
     tx, schedule = build.make_optimizer(cfg)
