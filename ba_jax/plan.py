@@ -140,7 +140,6 @@ def sampler_bytes(mc, *, prompts: int, samples: int, prompt_len: int, new_tokens
 
 def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION) -> dict:
     """Per-device bytes of a run of `cfg` on `num_devices` and the fit per named device."""
-    import optax  # noqa: F401 - make_optimizer needs it; imported here to fail early
     from flax import nnx
 
     from ba_jax import build, sampler

@@ -20,7 +20,8 @@
 #   TRAIN_ARGS, EVAL_ARGS   extra flags for ba_jax.main / ba_jax.evaluate
 #   PYTHON            [.venv/bin/python]
 #   SMOKE=1           configs/default.py:debug per aggregator instead of the real models,
-#                     run side by side; SMOKE_STEPS [2]; evaluation on tests/fixtures/bench
+#                     run side by side, no warm-up; SMOKE_STEPS [2]; evaluation on one
+#                     tests/fixtures/bench problem
 #                     (skipped when ba_jax/evaluate.py is absent)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -62,7 +63,7 @@ if [[ "$SMOKE" == 1 ]]; then
       if [[ "$TRAIN" == 1 ]]; then
         # shellcheck disable=SC2086
         run "$PYTHON" -m ba_jax.main "${cfg[@]}" --config.num_train_steps="$SMOKE_STEPS" \
-          --workdir="$wd" $TRAIN_ARGS
+          --config.arithmetic.warmup_steps=0 --workdir="$wd" $TRAIN_ARGS
       fi
       if [[ "$EVAL" == 1 && "$have_eval" == 1 ]]; then
         # shellcheck disable=SC2086
