@@ -34,6 +34,33 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def load_config(spec: str, **overrides: Any):
+    """`get_config(arg)` of a config file named `path[:arg]`, with dotted-key overrides.
+
+    `load_config("configs/default.py:debug", **{"grpo.aggregation": "token"})` gives what
+    `--config=configs/default.py:debug --config.grpo.aggregation=token` gives on the
+    command line; an unknown key is an error, as with the locked command-line config.
+    """
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("ba_jax_config_file", path)
+    if module_spec is None or not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    cfg = module.get_config(arg or None)
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        if leaf not in node:
+            raise ConfigError(f"{spec}: unknown config key {key!r}")
+        node[leaf] = value
+    return cfg
+
+
 def check_workdir(workdir: str) -> None:
     """The run folder must be creatable and writable (checked before any work)."""
     try:

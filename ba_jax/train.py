@@ -125,9 +125,21 @@ def replicate_unsharded(tree, mesh):
         else jax.device_put(x, rep), tree)
 
 
+def init_opt_state(tx, params, mesh):
+    """Optimizer state created in place: each moment shares its parameter's sharding
+    (so FSDP shards AdamW's mu/nu too), everything else (counts) is replicated."""
+    abstract = jax.eval_shape(tx.init, params)
+    rep = NamedSharding(mesh, PS())
+    shardings = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, abstract, params, transform_non_params=lambda _: rep,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
 def init_state(params, tx, mesh) -> dict:
     """Fresh train state: parameters, optimizer state and update count, all mesh-placed."""
-    state = dict(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32))
+    state = dict(params=params, opt_state=init_opt_state(tx, params, mesh),
+                 step=jnp.zeros((), jnp.int32))
     return replicate_unsharded(state, mesh)
 
 
@@ -145,7 +157,7 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
     R = cfg.rollout.max_new_tokens
     Tp = max(len(p) for p in prompt_set.prompt_ids)
     tx = optax.adam(a.warmup_learning_rate)
-    opt_state = replicate_unsharded(jax.jit(tx.init)(params), mesh)
+    opt_state = init_opt_state(tx, params, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, batch):

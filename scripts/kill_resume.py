@@ -85,13 +85,10 @@ def killed_run(workdir: str, steps: int, cache_dir: str, trials: int, max_delay_
 
 
 def debug_config():
-    import importlib.util
+    sys.path.insert(0, REPO)
+    from ba_jax import build
 
-    spec = importlib.util.spec_from_file_location("ba_jax_default_cfg",
-                                                  os.path.join(REPO, "configs", "default.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config("debug")
+    return build.load_config(os.path.join(REPO, "configs", "default.py:debug"))
 
 
 def compare(ref: str, other: str) -> list[str]:

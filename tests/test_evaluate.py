@@ -7,7 +7,6 @@ checkpoint of the `debug` config, and the other checkpoint layouts through `load
 """
 
 import base64
-import importlib.util
 import itertools
 import json
 import math
@@ -337,17 +336,9 @@ def test_hf_and_converted_folders_load_and_sample(tmp_path, char_tokenizer):
 
 
 def _debug_config(**overrides):
-    spec = importlib.util.spec_from_file_location("default_cfg", os.path.join(REPO, "configs", "default.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.get_config("debug")
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+    from ba_jax import build
+
+    return build.load_config(os.path.join(REPO, "configs", "default.py:debug"), **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -98,9 +98,6 @@ def test_per_device_parameter_bytes_match_real_sharded_arrays():
     assert _device0_bytes(params) * 8 > p["global_bytes"]["params"]  # norms replicate
 
 
-@pytest.mark.xfail(strict=True, reason="train.init_state builds the AdamW state with "
-                   "jit(tx.init), which lands on one device and is then replicated to every "
-                   "device; the plan assumes it is sharded like the parameters")
 def test_per_device_optimizer_bytes_match_the_trainer_state():
     from ba_jax import train
 

@@ -16,19 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def debug_config(**overrides):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("default_cfg", os.path.join(REPO, "configs", "default.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.get_config("debug")
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+    return build.load_config(os.path.join(REPO, "configs", "default.py:debug"), **overrides)
 
 
 def params_of(workdir):
