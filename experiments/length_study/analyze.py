@@ -4,7 +4,7 @@
       --out=experiments/length_study
 
 Reads ROOT/<setting>/<rule>_s<seed>/metrics.jsonl and writes OUT/results.md (the table),
-OUT/results.json (every number per run) and OUT/accuracy.png, OUT/diagnostics.png.
+OUT/results.json (every number per run) and OUT/accuracy.png, OUT/diagnostics.png (length gap), OUT/length.png.
 Metrics, per run:
   final_acc     mean accuracy over the last 10 steps (one step's 64 samples are noisy)
   auc           mean accuracy over all steps (area under the curve / number of steps)
