@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ba_jax import aggregation, data, grpo, sharding
+from ba_jax import aggregation, data, distributed, grpo, sharding
 from ba_jax.models import qwen
 from ba_jax.tasks import arithmetic
 
@@ -65,7 +65,7 @@ def check_workdir(workdir: str) -> None:
     """The run folder must be creatable and writable (checked before any work)."""
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_probe")
+        probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -100,9 +100,19 @@ def validate(cfg: Any, num_devices: int) -> None:
         _check(getattr(r, name) >= 1, f"config.rollout.{name} must be >= 1")
     for name in ("num_updates", "num_minibatches", "num_microbatches"):
         _check(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
-    _check(r.prompts_per_step % g.num_minibatches == 0,
-           f"config.grpo.num_minibatches={g.num_minibatches} must divide "
-           f"config.rollout.prompts_per_step={r.prompts_per_step} (mini-batches hold whole groups)")
+    _check(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
+           f"config.rollout.sample_shards={r.sample_shards} must divide "
+           f"config.rollout.prompts_per_step={r.prompts_per_step}")
+    _check(r.sample_shards % jax.process_count() == 0,
+           f"config.rollout.sample_shards={r.sample_shards} must be a multiple of the "
+           f"{jax.process_count()} processes (each process samples whole shards)")
+    _check((r.prompts_per_step // r.sample_shards) % g.num_minibatches == 0,
+           f"config.grpo.num_minibatches={g.num_minibatches} must divide the "
+           f"{r.prompts_per_step // r.sample_shards} prompts of a sampling shard "
+           "(mini-batches hold whole groups from every shard)")
+    if jax.process_count() > 1:
+        _check(not g.dynamic_sampling, "config.grpo.dynamic_sampling is not supported with "
+               "several processes yet (their resampling rounds would differ)")
     rows = r.prompts_per_step // g.num_minibatches * r.num_samples
     _check(rows % g.num_microbatches == 0,
            f"config.grpo.num_microbatches={g.num_microbatches} must divide the {rows} rows of a "
@@ -176,8 +186,9 @@ def load_tokenizer(cfg: Any, workdir: str):
 
     if cfg.task == "arithmetic" and not cfg.tokenizer_path:
         path = os.path.join(workdir, "tokenizer")
-        if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        if distributed.is_primary() and not os.path.exists(os.path.join(path, "tokenizer.json")):
             arithmetic.save_tokenizer(path)
+        distributed.barrier("ba_jax_tokenizer")  # the others read what process 0 wrote
     else:
         path = cfg.tokenizer_path or cfg.model.init_path
     try:
@@ -191,8 +202,10 @@ def load_prompt_set(cfg: Any, tokenizer, workdir: str) -> data.PromptDataset:
     if cfg.task == "arithmetic":
         a = cfg.arithmetic
         path = os.path.join(workdir, "data", "arithmetic.jsonl")
-        arithmetic.write_problems(path, max_operand=a.max_operand, ops=a.ops,
-                                  num_problems=a.num_problems, seed=cfg.seed)
+        if distributed.is_primary():
+            arithmetic.write_problems(path, max_operand=a.max_operand, ops=a.ops,
+                                      num_problems=a.num_problems, seed=cfg.seed)
+        distributed.barrier("ba_jax_problems")
         dcfg = data.DataConfig(path=path, format="dapo17k", template="plain",
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
     else:

@@ -1,9 +1,14 @@
 """Host side of one RL iteration: sample groups, score them, shape rewards, advantages.
 
 What lives here: turning prompts into an update batch of fixed shape (rows of one prompt
-contiguous, `[P*G, ...]` arrays) plus the host metrics of that iteration, including DAPO
-dynamic sampling. What does not: the jitted update (train.py), the sampler itself
-(sampler.py), reward rules (rewards/).
+contiguous, `[P*G, ...]` arrays), DAPO dynamic sampling, and the host metrics of an
+iteration. What does not: the jitted update (train.py), the sampler itself (sampler.py),
+reward rules (rewards/).
+
+Sampling shards: the P prompts of a step are cut into `rollout.sample_shards` equal
+shards, each sampled by its own `generate` call with key `fold_in(round_key, shard)`.
+A process samples only its own shards, so a run gives the same batch whatever the
+number of processes (the shards, not the processes, define the randomness).
 
 Shapes: P prompts per step, G samples per prompt, B = P*G rows, Tp padded prompt length,
 R = max_new_tokens response slots.
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,10 +30,12 @@ from ba_jax.rewards import math as math_rewards
 
 @dataclasses.dataclass
 class Experience:
-    """One update batch (host NumPy arrays) and what it cost to collect."""
+    """This process's part of one update batch (host NumPy arrays) and what it cost."""
 
     batch: dict[str, np.ndarray]  # prompt_tokens_BT, prompt_mask_BT, tokens_BR, mask_BR, old_logp_BR, adv_B, group_id_B
-    metrics: dict[str, float]
+    first_round: dict[str, np.ndarray]  # per-row reward/correct/length/eos of the first round
+    final: dict[str, np.ndarray]  # per-row shaped reward and advantage of the update batch
+    timing: dict[str, float]
 
 
 def _decode(tokenizer, tokens_BR: np.ndarray, lengths_B: np.ndarray, eos_ids: set[int]) -> list[str]:
@@ -71,14 +78,48 @@ def _take_groups(rows: dict[str, np.ndarray], groups: list[int], G: int) -> dict
     return {k: v[idx] for k, v in rows.items()}
 
 
-def _pad_prompts(chunks: list[dict[str, np.ndarray]]) -> None:
-    # Rounds may use different prompt buckets: left-pad to the widest so rows concatenate.
-    width = max(c["prompt_tokens_BT"].shape[1] for c in chunks)
+def _pad_prompts(chunks: list[dict[str, np.ndarray]], width: int) -> None:
+    # Rounds may use different prompt buckets: left-pad to one width so rows concatenate.
     for c in chunks:
         extra = width - c["prompt_tokens_BT"].shape[1]
         if extra:
             for k in ("prompt_tokens_BT", "prompt_mask_BT"):
                 c[k] = np.pad(c[k], ((0, 0), (extra, 0)))
+
+
+class _Shard:
+    """Groups kept so far for one sampling shard (dynamic sampling keeps mixed ones)."""
+
+    def __init__(self, num_groups: int, G: int, dynamic: bool):
+        self.num_groups, self.G, self.dynamic = num_groups, G, dynamic
+        self.kept, self.spare, self.n_kept, self.first = [], [], 0, None
+
+    @property
+    def full(self) -> bool:
+        return self.n_kept == self.num_groups
+
+    def add(self, rows: dict[str, np.ndarray]) -> None:
+        if self.first is None:
+            self.first = rows
+        if not self.dynamic:
+            self.kept.append(rows)
+            self.n_kept = self.num_groups
+            return
+        rew_PG = rows["reward_B"].reshape(-1, self.G)
+        mixed = [g for g in range(len(rew_PG)) if rew_PG[g].max() > rew_PG[g].min()]
+        flat = [g for g in range(len(rew_PG)) if g not in mixed]
+        take = mixed[: self.num_groups - self.n_kept]
+        self.kept.append(_take_groups(rows, take, self.G))
+        self.spare.append(_take_groups(rows, flat, self.G))
+        self.n_kept += len(take)
+
+    def rows(self) -> list[dict[str, np.ndarray]]:
+        chunks = list(self.kept)
+        if self.n_kept < self.num_groups:  # retry budget spent: fill with degenerate groups
+            need = (self.num_groups - self.n_kept) * self.G
+            pool = {k: np.concatenate([s[k] for s in self.spare]) for k in self.spare[0]}
+            chunks.append({k: v[:need] for k, v in pool.items()})
+        return chunks
 
 
 def collect(
@@ -88,76 +129,54 @@ def collect(
     cfg: Any,
     key: jax.Array,
     tokenizer: Any,
-    scorer: "math_rewards.MathScorer",
+    scorer: math_rewards.MathScorer,
     eos_ids: set[int],
     rule: str = "dapo",
     mesh: Any = None,
+    shards: Sequence[int] = (0,),
 ) -> Experience:
-    """Sample P groups (refilling degenerate ones when dynamic sampling is on) and score them."""
-    P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
-    rounds = 1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)
-    kept, spare, timing = [], [], dict(sample_s=0.0, score_s=0.0, timeouts=0, errors=0)
-    first_round = None
-    n_kept = 0
-    rounds_run = 0
-    for r in range(rounds):
-        rounds_run = r + 1
-        prompt_ids, truths = next_prompts()
-        rows, t = _round(policy, prompt_ids, truths, cfg=cfg, key=jax.random.fold_in(key, r),
-                         tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids, rule=rule, mesh=mesh)
-        for k in timing:
-            timing[k] += t[k]
-        if first_round is None:
-            first_round = rows
-        if not cfg.grpo.dynamic_sampling:
-            kept.append(rows)
-            n_kept = P
-            break
-        rew_PG = rows["reward_B"].reshape(-1, G)
-        mixed = [g for g in range(len(rew_PG)) if rew_PG[g].max() > rew_PG[g].min()]
-        flat = [g for g in range(len(rew_PG)) if g not in mixed]
-        take = mixed[: P - n_kept]
-        kept.append(_take_groups(rows, take, G))
-        spare.append(_take_groups(rows, flat, G))
-        n_kept += len(take)
-        if n_kept == P:
-            break
-    if n_kept < P:  # retry budget spent: fill with degenerate groups (they weigh nothing)
-        need = P - n_kept
-        pool = {k: np.concatenate([s[k] for s in spare]) for k in spare[0]}
-        kept.append({k: v[: need * G] for k, v in pool.items()})
-    _pad_prompts(kept)
-    rows = {k: np.concatenate([c[k] for c in kept]) for k in kept[0]}
+    """Sample this process's `shards` of the step's P prompts, with dynamic sampling if on.
 
+    `next_prompts()` returns all P prompts of a round (the same on every process).
+    """
+    P, G, S = cfg.rollout.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.sample_shards
+    Pg = P // S
+    rounds = 1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)
+    state = {s: _Shard(Pg, G, cfg.grpo.dynamic_sampling) for s in shards}
+    timing = dict(sample_s=0.0, score_s=0.0, timeouts=0, errors=0, rounds=0)
+    for r in range(rounds):
+        prompt_ids, truths = next_prompts()
+        timing["rounds"] = r + 1
+        for s, sh in state.items():
+            if sh.full:
+                continue
+            sl = slice(s * Pg, (s + 1) * Pg)
+            rows, t = _round(policy, prompt_ids[sl], truths[sl], cfg=cfg,
+                             key=jax.random.fold_in(jax.random.fold_in(key, r), s),
+                             tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids, rule=rule,
+                             mesh=mesh)
+            for k in ("sample_s", "score_s"):
+                timing[k] += t[k]
+            timing["timeouts"] += t["timeouts"]
+            timing["errors"] += t["errors"]
+            sh.add(rows)
+        if all(sh.full for sh in state.values()):
+            break
+
+    chunks = [c for s in shards for c in state[s].rows()]
+    firsts = [state[s].first for s in shards]
+    _pad_prompts(chunks, max(c["prompt_tokens_BT"].shape[1] for c in chunks))
+    rows = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
     reward_B = rows["reward_B"].copy()
     if cfg.grpo.overlong_buffer > 0:
         reward_B += math_rewards.overlong_penalty(
             rows["lengths_B"], max_len=cfg.rollout.max_new_tokens,
             buffer=cfg.grpo.overlong_buffer, factor=cfg.grpo.overlong_factor)
-    group_id_B = np.repeat(np.arange(P, dtype=np.int32), G)
-    adv_B = np.asarray(grpo.group_advantages(reward_B, group_id_B, P, estimator=cfg.grpo.advantage))
-
-    # Metrics describe what the policy produced in the first round (unbiased by filtering).
-    fr = first_round
-    lengths = fr["lengths_B"].astype(np.float64)
-    rew_PG = fr["reward_B"].reshape(-1, G)
-    metrics = dict(
-        reward_mean=float(fr["reward_B"].mean()),
-        accuracy=float(fr["correct_B"].mean()),
-        response_length_mean=float(lengths.mean()),
-        response_length_cv=float(lengths.std() / lengths.mean()) if lengths.mean() > 0 else 0.0,
-        response_length_max=float(lengths.max()),
-        finished_eos_frac=float(fr["eos_B"].mean()),
-        degenerate_group_frac=float(np.mean(rew_PG.max(1) == rew_PG.min(1))),
-        batch_reward_mean=float(reward_B.mean()),
-        batch_degenerate_group_frac=float(np.mean(adv_B.reshape(P, G).std(1) == 0)),
-        sampling_rounds=float(rounds_run),
-        reward_timeouts=float(timing["timeouts"]),
-        reward_errors=float(timing["errors"]),
-        sample_time_s=timing["sample_s"],
-        score_time_s=timing["score_s"],
-        generated_tokens=float(fr["lengths_B"].sum()),
-    )
+    # Global group ids: shard s holds groups s*Pg .. (s+1)*Pg - 1.
+    group_id_B = np.concatenate([s * Pg + np.repeat(np.arange(Pg, dtype=np.int32), G) for s in shards])
+    local_id_B = np.repeat(np.arange(len(shards) * Pg, dtype=np.int32), G)
+    adv_B = np.asarray(grpo.group_advantages(reward_B, local_id_B, len(shards) * Pg,
+                                             estimator=cfg.grpo.advantage))
     batch = dict(
         prompt_tokens_BT=rows["prompt_tokens_BT"].astype(np.int32),
         prompt_mask_BT=rows["prompt_mask_BT"].astype(np.int32),
@@ -167,4 +186,26 @@ def collect(
         adv_B=adv_B.astype(np.float32),
         group_id_B=group_id_B,
     )
-    return Experience(batch=batch, metrics=metrics)
+    first = {k: np.concatenate([f[k] for f in firsts]) for k in ("reward_B", "correct_B", "lengths_B", "eos_B")}
+    return Experience(batch=batch, first_round=first, final=dict(reward_B=reward_B, adv_B=adv_B),
+                      timing=timing)
+
+
+def host_metrics(first: dict[str, np.ndarray], final: dict[str, np.ndarray], G: int) -> dict[str, float]:
+    """Step metrics of all rows (gathered over processes): what the policy produced in the
+    first round (unbiased by dynamic-sampling filtering), and what the update saw."""
+    lengths = first["lengths_B"].astype(np.float64)
+    rew_PG = first["reward_B"].reshape(-1, G)
+    mean_len = lengths.mean()
+    return dict(
+        reward_mean=float(first["reward_B"].mean()),
+        accuracy=float(first["correct_B"].mean()),
+        response_length_mean=float(mean_len),
+        response_length_cv=float(lengths.std() / mean_len) if mean_len > 0 else 0.0,
+        response_length_max=float(lengths.max()),
+        finished_eos_frac=float(first["eos_B"].mean()),
+        degenerate_group_frac=float(np.mean(rew_PG.max(1) == rew_PG.min(1))),
+        batch_reward_mean=float(final["reward_B"].mean()),
+        batch_degenerate_group_frac=float(np.mean(final["adv_B"].reshape(-1, G).std(1) == 0)),
+        generated_tokens=float(lengths.sum()),
+    )

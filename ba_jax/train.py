@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from ba_jax import aggregation, build, checkpoint, data, experience, grpo
+from ba_jax import aggregation, build, checkpoint, data, distributed, experience, grpo
 from ba_jax import metrics as metrics_lib
 from ba_jax.rewards import math as math_rewards
 from ba_jax.tasks import arithmetic
@@ -109,8 +109,8 @@ def make_train_step(cfg, graphdef, state, mesh, num_groups: int):
                            num_microbatches=cfg.grpo.num_microbatches)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     row_sh = NamedSharding(mesh, PS(BATCH_AXES))
-    return jax.jit(fn, in_shardings=(state_sh, row_sh), out_shardings=(state_sh, None),
-                   donate_argnums=(0,))
+    return jax.jit(fn, in_shardings=(state_sh, row_sh),
+                   out_shardings=(state_sh, NamedSharding(mesh, PS())), donate_argnums=(0,))
 
 
 def replicate_unsharded(tree, mesh):
@@ -190,7 +190,7 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
             r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [eos])[:R]
             b["tokens_BR"][i, : len(r)] = r
             b["mask_BR"][i, : len(r)] = 1
-        params, opt_state, loss, p_true = step(params, opt_state, jax.device_put(b, row_sh))
+        params, opt_state, loss, p_true = step(params, opt_state, distributed.put_global(b, row_sh))
         if float(p_true) >= a.warmup_target_accuracy:
             break
     return params, dict(steps=steps, loss=float(loss), p_true=float(p_true))
@@ -224,6 +224,23 @@ def _save(ckpt, step: int, state, iterator, cfg) -> float:
             + (f"the previous checkpoint (step {prev[-1]}) is intact: fix the cause and run "
                "again to resume from it" if prev else "no earlier checkpoint exists")) from e
     return time.perf_counter() - t0
+
+
+def minibatch(batch: dict[str, np.ndarray], m: int, M: int, Pg: int, G: int) -> dict[str, np.ndarray]:
+    """Mini-batch m of M from this process's rows: the m-th M-th of every sampling shard.
+
+    Rows hold whole shards of Pg groups; group ids become ids within the mini-batch, so a
+    mini-batch is the same set of groups whether its shards live on one process or many.
+    """
+    n = len(batch["adv_B"]) // (Pg * G)  # local shards
+    per = Pg // M  # groups of one shard in one mini-batch
+    idx = np.concatenate([np.arange((s * Pg + m * per) * G, (s * Pg + (m + 1) * per) * G)
+                          for s in range(n)])
+    mb = {k: v[idx] for k, v in batch.items()}
+    gid = mb["group_id_B"]
+    shard = gid // Pg
+    mb["group_id_B"] = (shard * per + (gid - shard * Pg - m * per)).astype(np.int32)
+    return mb
 
 
 def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str:
@@ -269,20 +286,24 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     M = cfg.grpo.num_minibatches
     step_fn = make_train_step(cfg, graphdef, state, mesh, num_groups=P // M)
     ref_fn = jax.jit(lambda p, b: policy_logprobs(graphdef, p, b)[0])
+    rep = NamedSharding(mesh, PS())
     diag_fn = jax.jit(functools.partial(
         aggregation.diagnostics, aggregation.resolve_rule(cfg.grpo.aggregation),
         num_groups=P, count_degenerate_groups=cfg.grpo.count_degenerate_groups,
-        max_len=cfg.grpo.constant_max_len or cfg.rollout.max_new_tokens))
+        max_len=cfg.grpo.constant_max_len or cfg.rollout.max_new_tokens), out_shardings=rep)
     row_sh = NamedSharding(mesh, PS(BATCH_AXES))
+    primary = distributed.is_primary()
     writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,
-                                       flush_every=cfg.log_every)
+                                       flush_every=cfg.log_every, enabled=primary)
     # The DAPO rule is a regex over 300 characters: scoring it in-process is safe and
     # avoids a pool round trip per step; `boxed` (math-verify) always goes to the pool.
     scorer = math_rewards.MathScorer(timeout_s=cfg.reward.timeout_s,
                                      num_workers=cfg.reward.num_workers or None,
                                      inline_below=1 << 30 if cfg.reward.inline_dapo else 32)
-    G = cfg.rollout.num_samples
-    rows_per_mb = P // M * G
+    G, S = cfg.rollout.num_samples, cfg.rollout.sample_shards
+    per_proc = S // jax.process_count()
+    shards = list(range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc))
+    multi = jax.process_count() > 1
 
     def next_prompts():
         idx = iterator.next_batch()
@@ -293,23 +314,26 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     try:
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
-            policy = nnx.merge(graphdef, state["params"])
+            # Several processes: each samples its shards on its own devices from a local copy
+            # of the (replicated) policy; one process: the sampler shares the training mesh.
+            policy = nnx.merge(graphdef, distributed.local_copy(state["params"]))
             exp = experience.collect(
                 policy, next_prompts, cfg=cfg, key=jax.random.fold_in(jax.random.key(cfg.seed), it),
                 tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids,
-                rule=prompt_set.reward_rule, mesh=mesh)
+                rule=prompt_set.reward_rule, mesh=None if multi else mesh, shards=shards)
             t1 = time.perf_counter()
             batch = exp.batch
-            diag = diag_fn(batch["mask_BR"], batch["adv_B"], batch["group_id_B"])
-            if ref_params is not None:
-                batch["ref_logp_BR"] = np.asarray(ref_fn(ref_params, jax.device_put(batch, row_sh)))
+            dev = distributed.put_local_rows(
+                {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
+            diag = diag_fn(dev["mask_BR"], dev["adv_B"], dev["group_id_B"])
             step_metrics = []
             for _ in range(cfg.grpo.num_updates):
                 for m in range(M):
-                    sl = slice(m * rows_per_mb, (m + 1) * rows_per_mb)
-                    mb = {k: v[sl] for k, v in batch.items()}
-                    mb["group_id_B"] = mb["group_id_B"] - m * (P // M)
-                    state, out = step_fn(state, jax.device_put(mb, row_sh))
+                    mb = minibatch(batch, m, M, P // S, G)
+                    mb = distributed.put_local_rows(mb, row_sh)
+                    if ref_params is not None:
+                        mb["ref_logp_BR"] = ref_fn(ref_params, mb)
+                    state, out = step_fn(state, mb)
                     step_metrics.append(out)
             step_metrics = jax.device_get(step_metrics)
             t2 = time.perf_counter()
@@ -317,13 +341,20 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
             nonfinite_run = nonfinite_run + 1 if nonfinite else 0
             upd = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
             upd["nonfinite_updates"] = nonfinite
+            host = experience.host_metrics(distributed.gather_rows(exp.first_round),
+                                           distributed.gather_rows(exp.final), G)
+            timing = exp.timing
             total = t2 - t0
-            record = dict(exp.metrics) | upd | {f"diag_{k}": v for k, v in jax.device_get(diag).items()}
+            record = host | upd | {f"diag_{k}": v for k, v in jax.device_get(diag).items()}
             record.update(learning_rate=float(schedule(max(int(state["step"]) - 1, 0))),
+                          sampling_rounds=float(timing["rounds"]),
+                          reward_timeouts=float(timing["timeouts"]),
+                          reward_errors=float(timing["errors"]),
+                          sample_time_s=timing["sample_s"], score_time_s=timing["score_s"],
                           step_time_s=total, update_time_s=t2 - t1,
                           checkpoint_time_s=last_save_s,  # the save at the end of the previous step
-                          sampling_time_share=exp.metrics["sample_time_s"] / total,
-                          tokens_per_s=exp.metrics["generated_tokens"] / max(exp.metrics["sample_time_s"], 1e-9))
+                          sampling_time_share=timing["sample_s"] / total,
+                          tokens_per_s=host["generated_tokens"] / max(timing["sample_s"], 1e-9))
             # The line is written before the checkpoint: a kill in between resumes from the
             # previous checkpoint and rewrites this step, so no step is ever missing.
             writer.write(it, record)
@@ -342,7 +373,8 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     try:
         from ba_jax import plot
 
-        plot.plot_runs([workdir], plots)
+        if distributed.is_primary():
+            plot.plot_runs([workdir], plots)
     except Exception as e:  # noqa: BLE001 - plots are a convenience, never fail a finished run
         print(f"plotting failed: {e}")
     return (f"finished {cfg.num_train_steps} steps: metrics {workdir}/metrics.jsonl, plots {plots}, "

@@ -66,7 +66,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict(
         dict(prompts_per_step=16, num_samples=16, max_new_tokens=8, temperature=1.0, top_k=0,
-             top_p=1.0)
+             top_p=1.0,
+             # Independent sampler calls per step (own key each); a multiple of the number
+             # of processes, each of which samples its own shards.
+             sample_shards=1)
     )
     c.grpo = ml_collections.ConfigDict(
         dict(

@@ -76,10 +76,12 @@ def write_problems(path: str, *, max_operand: int, ops: str, num_problems: int, 
         text, value = _problem(rng, max_operand, ops)
         seen.setdefault(text, value)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         for text, value in seen.items():
             # "Answer:" in the prompt keeps the loader from adding the long DAPO instruction.
             f.write(json.dumps({"prompt": f"{text}=? Answer: N", "solution": str(value)}) + "\n")
+    os.replace(tmp, path)  # a reader never sees a half-written file
     return path
 
 

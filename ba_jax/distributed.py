@@ -1,0 +1,93 @@
+"""Multi-controller set-up: every host runs the same program; jax.distributed joins them.
+
+What lives here: starting `jax.distributed` from the environment, and the few
+cross-process helpers the RL loop needs (gathering host-side rows, process-local copies
+of replicated parameters for sampling, global arrays from local rows). What does not:
+the mesh (sharding.py) or the loop (train.py).
+
+Environment (one process per host, all started with the same command):
+* `BA_JAX_COORDINATOR=host:port`, `BA_JAX_NUM_PROCESSES=N`, `BA_JAX_PROCESS_ID=i`:
+  explicit set-up (GPU hosts, the localhost test);
+* `BA_JAX_DISTRIBUTED=auto`: `jax.distributed.initialize()` detects the cluster itself
+  (TPU VMs of a pod slice, SLURM);
+* neither: a single process (the default).
+On CPU, cross-process collectives use gloo.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+_started = False
+
+
+def maybe_initialize() -> None:
+    """Join the other processes of this run if the environment names them (idempotent)."""
+    global _started
+    if _started:
+        return
+    coordinator = os.environ.get("BA_JAX_COORDINATOR")
+    if coordinator:
+        if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ["BA_JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["BA_JAX_PROCESS_ID"]),
+        )
+    elif os.environ.get("BA_JAX_DISTRIBUTED") == "auto":
+        jax.distributed.initialize()
+    _started = True
+
+
+def is_primary() -> bool:
+    """Process 0 writes logs, plots and progress; every process writes its checkpoint part."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def gather_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Concatenate per-process host rows in process order (identity with one process)."""
+    if jax.process_count() == 1:
+        return rows
+    return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in rows.items()}
+
+
+def local_copy(tree):
+    """Process-local copy of replicated global arrays, for sampling on this host alone.
+
+    Parameters sharded across processes (FSDP over hosts) are all-gathered first.
+    """
+    if jax.process_count() == 1:
+        return tree
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if x.is_fully_replicated:
+            return x.addressable_data(0)
+        return jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                              jax.local_devices()[0])
+
+    return jax.tree.map(one, tree)
+
+
+def put_local_rows(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Global arrays whose rows are this process's rows (in process order)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def put_global(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Global arrays from host data that every process holds in full."""
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            for k, v in batch.items()}

@@ -1,0 +1,76 @@
+"""Two processes x 4 CPU devices (gloo) train like one process with 8 devices.
+
+Each process runs `python -m ba_jax.main` with the BA_JAX_COORDINATOR environment, samples
+its own sampling shards on its own devices, and joins the global update; checkpoints are
+written by both. Two steps, then a restart for a third (a checkpoint round trip), must
+give the parameters and metrics of an uninterrupted single-process run on 8 devices.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ba_jax import train
+from ba_jax.metrics import read_metrics
+from test_train import REPO, debug_config, params_of
+
+OVERRIDES = {"rollout.sample_shards": 2, "checkpoint.every_steps": 1}
+TIMING = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", "score_time_s",
+          "sampling_time_share", "tokens_per_s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(workdir: str, steps: int) -> None:
+    port = _free_port()
+    args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   BA_JAX_COORDINATOR=f"127.0.0.1:{port}", BA_JAX_NUM_PROCESSES="2",
+                   BA_JAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ba_jax.main", "--config=configs/default.py:debug",
+             f"--workdir={workdir}", f"--config.num_train_steps={steps}", *args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out.decode(errors="replace"))
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    _two_processes(multi, 2)
+    _two_processes(multi, 3)  # restart: restores the step-2 checkpoint written by both
+    train.train_and_evaluate(debug_config(num_train_steps=3, **OVERRIDES), single)
+    s_multi, p_multi, m_multi = params_of(multi)
+    s_single, p_single, m_single = params_of(single)
+    assert s_multi == s_single == 3
+    assert m_multi["data_iterator"] == m_single["data_iterator"]
+    for a, b in zip(p_multi, p_single):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
+    rm, rs = strip(read_metrics(multi)), strip(read_metrics(single))
+    assert [r["step"] for r in rm] == [1, 2, 3]
+    for a, b in zip(rm, rs):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
