@@ -10,9 +10,9 @@
 # from PyPI. The libtpu release index is passed as well so that mirrors without libtpu
 # still resolve it. Test-only extras (torch) are not installed here.
 #
-# Multi-host training is NOT implemented yet (no jax.distributed.initialize, no
-# per-process data): on a slice with more than one worker the trainer would run an
-# independent copy per host. See docs/scaling.md.
+# Multi-host: every worker runs the same command with BA_JAX_DISTRIBUTED=auto, which makes
+# the trainer call jax.distributed.initialize(); set config.rollout.sample_shards to a
+# multiple of the number of workers. See docs/scaling.md (tested on localhost only).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -34,8 +34,8 @@ gcloud compute tpus tpu-vm scp ba_jax.tar.gz $name:~ --zone=$zone$project --work
 gcloud compute tpus tpu-vm ssh $name --zone=$zone$project --worker=all --command="mkdir -p ~/$REMOTE_DIR && tar -xzf ~/ba_jax.tar.gz -C ~/$REMOTE_DIR"
 # 2. install and check devices on all workers at once (TPU runtimes of a slice start together)
 gcloud compute tpus tpu-vm ssh $name --zone=$zone$project --worker=all --command="cd ~/$REMOTE_DIR && ./tpu_setup.sh"
-# 3. start the run on all workers (multi-host training is not implemented yet: see docs/scaling.md)
-gcloud compute tpus tpu-vm ssh $name --zone=$zone$project --worker=all --command="cd ~/$REMOTE_DIR && $VENV/bin/python -m ba_jax.main --config=$CONFIG --workdir=$WORKDIR"
+# 3. start the run on all workers (jax.distributed joins them; WORKDIR must be shared, e.g. gs://)
+gcloud compute tpus tpu-vm ssh $name --zone=$zone$project --worker=all --command="cd ~/$REMOTE_DIR && BA_JAX_DISTRIBUTED=auto $VENV/bin/python -m ba_jax.main --config=$CONFIG --workdir=$WORKDIR --config.rollout.sample_shards=${NUM_WORKERS:-NUM_WORKERS}"
 EOF
 }
 

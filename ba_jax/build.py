@@ -110,9 +110,6 @@ def validate(cfg: Any, num_devices: int) -> None:
            f"config.grpo.num_minibatches={g.num_minibatches} must divide the "
            f"{r.prompts_per_step // r.sample_shards} prompts of a sampling shard "
            "(mini-batches hold whole groups from every shard)")
-    if jax.process_count() > 1:
-        _check(not g.dynamic_sampling, "config.grpo.dynamic_sampling is not supported with "
-               "several processes yet (their resampling rounds would differ)")
     rows = r.prompts_per_step // g.num_minibatches * r.num_samples
     _check(rows % g.num_microbatches == 0,
            f"config.grpo.num_microbatches={g.num_microbatches} must divide the {rows} rows of a "

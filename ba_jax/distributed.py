@@ -56,6 +56,13 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def all_processes(flag: bool) -> bool:
+    """True when `flag` is true on every process (keeps data-dependent loops in step)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
+
+
 def gather_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Concatenate per-process host rows in process order (identity with one process)."""
     if jax.process_count() == 1:

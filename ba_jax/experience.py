@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ba_jax import grpo, sampler
+from ba_jax import distributed, grpo, sampler
 from ba_jax.rewards import math as math_rewards
 
 
@@ -160,7 +160,8 @@ def collect(
             timing["timeouts"] += t["timeouts"]
             timing["errors"] += t["errors"]
             sh.add(rows)
-        if all(sh.full for sh in state.values()):
+        # Every process draws the same prompts each round, so all must stop together.
+        if distributed.all_processes(all(sh.full for sh in state.values())):
             break
 
     chunks = [c for s in shards for c in state[s].rows()]

@@ -18,7 +18,8 @@ from ba_jax import train
 from ba_jax.metrics import read_metrics
 from test_train import REPO, debug_config, params_of
 
-OVERRIDES = {"rollout.sample_shards": 2, "checkpoint.every_steps": 1}
+OVERRIDES = {"rollout.sample_shards": 2, "checkpoint.every_steps": 1,
+             "grpo.dynamic_sampling": True, "grpo.max_resample_rounds": 1}
 TIMING = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", "score_time_s",
           "sampling_time_share", "tokens_per_s")
 
