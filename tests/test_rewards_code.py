@@ -152,9 +152,9 @@ assert {lo} <= os.getuid() < {hi} and os.getgid() == os.getuid(), os.getuid()
 assert os.getgroups() == [], os.getgroups()
 pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
 assert pids == [1, 2], pids  # the namespace's reaper and the program
-assert os.getcwd() == '/tmp/work' and os.listdir('/tmp') == ['work']
+assert os.getcwd() == '/tmp/prog' and os.listdir('/tmp') == ['prog']
 with tempfile.NamedTemporaryFile() as f:
-    assert f.name.startswith('/tmp/work/'), f.name
+    assert f.name.startswith('/tmp/prog/'), f.name
 print('ok')
 """
     result = _run(source)

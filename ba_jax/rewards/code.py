@@ -9,7 +9,7 @@ a status, never an exception; only malformed arguments raise `ValueError`.
 Each run (see docs/sandbox.md): a launcher process (root) starts a new session and, where
 the kernel allows, new network, PID and mount namespaces; every existing mount becomes
 read-only, /tmp and the other world-writable dirs are empty, the working directory is a
-fresh size-limited tmpfs at /tmp/work and /proc is private; the program then runs as a
+fresh size-limited tmpfs at /tmp/prog and /proc is private; the program then runs as a
 per-slot unprivileged uid (60000 + slot, one slot per concurrent run machine-wide, held by
 an flock) with CPU, address-space, process, file-size and open-file limits, under a
 wall-clock timeout that kills the PID namespace, and with at most a few MB of output read. `isolation()` probes once which of these work and logs any that
@@ -97,13 +97,13 @@ try:
                 mount(None, point, None, flags)
             except OSError as e:
                 say("warn read-only remount failed: %s" % e)
-        # /tmp becomes an empty read-only tmpfs holding only the fresh working dir /tmp/work.
+        # /tmp becomes an empty read-only tmpfs holding only the fresh working dir /tmp/prog.
         mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV | NOEXEC, "size=4k,mode=0755")
-        os.mkdir("/tmp/work")
+        os.mkdir("/tmp/prog")
         mount(None, "/tmp", None, REMOUNT | RDONLY | NOSUID | NODEV | NOEXEC)
-        mount("tmpfs", "/tmp/work", "tmpfs", NOSUID | NODEV,
+        mount("tmpfs", "/tmp/prog", "tmpfs", NOSUID | NODEV,
               "size=%dm,mode=0700,uid=%d,gid=%d" % (cfg["tmpfs_mb"], cfg["uid"], cfg["gid"]))
-        os.chdir("/tmp/work")
+        os.chdir("/tmp/prog")
         with open("solution.py", "wb") as f:
             f.write(source)
         for path in cfg["hide"]:  # other world-writable dirs and host sockets: empty, read-only
