@@ -6,10 +6,12 @@ trainer reads it through the same loader as real data, and the format-only warm-
 examples. What does not: training (train.py) and scoring (rewards/math.py, whose
 `dapo_reward` judges these responses exactly as it judges DAPO-Math-17k).
 
-Why a format-only warm-up: a random policy never writes `Answer: N`, so RL would see
-no reward at all. The warm-up teaches the format with *random* numbers, so the policy
-starts at chance accuracy (about 1 / number of possible answers) and everything above
-that is learned from the verifiable reward.
+Why a warm-up: a random policy never writes `Answer: N`, so RL would see no reward at
+all. The trainer's warm-up (train._warmup) trains on `Answer: N` targets, the true N with
+probability `warmup_correct_frac` (else a random one), and stops once the policy's
+probability of the true answer reaches `warmup_target_accuracy`; RL starts from there.
+(Pure format-only warm-ups, correct_frac 0, were tried: RL from chance accuracy collapsed
+onto a few popular answers instead of learning the sums.)
 """
 
 from __future__ import annotations
