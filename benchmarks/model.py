@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+from ba_jax import grpo  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
 B, T, V = 8, 256, 8192
@@ -50,9 +51,9 @@ def make_jax_step(hf_dir: str, dtype):
     opt_state = opt.init(params)
 
     def loss_fn(params, tokens_BT):
+        # The trainer's own log-prob gather (fused backward, no [B,T,V] scatter).
         logits_BTV = nnx.merge(graphdef, params)(tokens_BT)[:, :-1]
-        logp_BTV = jax.nn.log_softmax(logits_BTV)
-        return -jnp.mean(jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], -1))
+        return -jnp.mean(grpo.token_logprobs(logits_BTV, tokens_BT[:, 1:]))
 
     def step(params, opt_state, tokens_BT):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BT)
