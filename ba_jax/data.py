@@ -238,14 +238,27 @@ def _resolve_format(config: DataConfig, columns: list[str]) -> str:
     return fmt
 
 
-def _render(messages: list[dict[str, str]], config: DataConfig, tokenizer) -> str:
-    if config.template == "plain":
+def render_prompt(messages: list[dict[str, str]], tokenizer, *, template: str,
+                  enable_thinking: bool | None = None) -> str:
+    """Chat messages -> prompt text: the tokenizer's chat template, or the plain template."""
+    if template == "plain":
         problem = "\n\n".join(m["content"] for m in messages)
         return PLAIN_TEMPLATE.replace("{problem}", problem)
-    options = {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
+    options = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **options
     )
+
+
+def eos_ids(tokenizer) -> list[int]:
+    """Ids that end a response: the tokenizer's EOS plus Qwen's end-of-turn and end-of-text
+    tokens when the vocabulary has them (trainer and evaluator stop on the same set)."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} - {None}
+    ids |= {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+    if not ids:
+        raise ValueError("the tokenizer defines no EOS token; generation could never stop")
+    return sorted(ids)
 
 
 def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
@@ -286,7 +299,7 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
                 stats["duplicates_dropped"] += 1
                 continue
             seen.add(key)
-            texts.append(_render(messages, config, tokenizer))
+            texts.append(render_prompt(messages, tokenizer, template=config.template, enable_thinking=config.enable_thinking))
             truths.append(truth)
 
     # Chat templates write their own special tokens; a plain prompt gets the tokenizer's

@@ -34,7 +34,6 @@ CODE_INSTRUCTION = (
     "Write a complete Python 3 program that reads the input from standard input and prints "
     "the answer to standard output. Put the whole program in a single ```python code block."
 )
-PLAIN_TEMPLATE = "{problem}\n"  # as ba_jax.data: base models get the bare text
 _NUMBER_RE = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
 
 
@@ -109,7 +108,7 @@ class EvalSettings:
     top_p: float = 0.95
     seed: int = 0
     batch_prompts: int = 32  # problems per `generate` call (memory bound, one compile per bucket)
-    template: str = "chat"  # "chat": the tokenizer's chat template; "plain": PLAIN_TEMPLATE
+    template: str = "chat"  # "chat": the tokenizer's chat template; "plain": data.PLAIN_TEMPLATE
     enable_thinking: bool | None = None  # passed to chat templates that read it (Qwen3)
     math_timeout_s: float = 5.0  # wall clock per math-verify call
     code_timeout_s: float = 6.0  # per test, as LiveCodeBench
@@ -138,28 +137,25 @@ def prompt_text(problem: Problem, kind: str) -> str:
 def render_prompts(texts: Sequence[str], tokenizer, *, template: str,
                    enable_thinking: bool | None = None) -> list[list[int]]:
     """User messages -> token ids through the chat template or the plain one (as data.py)."""
-    if template == "plain":
-        # A plain prompt gets the tokenizer's usual special tokens (a BOS where expected).
-        rendered = [PLAIN_TEMPLATE.replace("{problem}", t) for t in texts]
-        return [list(ids) for ids in tokenizer(rendered, add_special_tokens=True)["input_ids"]]
-    if not getattr(tokenizer, "chat_template", None):
+    from ba_jax import data
+
+    if template != "plain" and not getattr(tokenizer, "chat_template", None):
         raise ValueError("template 'chat' but the tokenizer has no chat template; "
                          "use --config.data.template=plain for base models")
-    options = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}],
-                                              add_generation_prompt=True, tokenize=False,
-                                              **options) for t in texts]
-    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+    rendered = [data.render_prompt([{"role": "user", "content": t}], tokenizer,
+                                   template=template, enable_thinking=enable_thinking)
+                for t in texts]
+    # A plain prompt gets the tokenizer's usual special tokens (a BOS where expected); a chat
+    # template already writes its own.
+    special = template == "plain"
+    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=special)["input_ids"]]
 
 
 def eos_ids_of(tokenizer) -> list[int]:
-    """The tokenizer's EOS plus Qwen's end-of-turn and end-of-text tokens when present."""
-    vocab = tokenizer.get_vocab()
-    ids = {tokenizer.eos_token_id} - {None}
-    ids |= {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
-    if not ids:
-        raise ValueError("the tokenizer defines no EOS token; generation could never stop")
-    return sorted(ids)
+    """The ids that end a response (data.eos_ids, shared with the trainer)."""
+    from ba_jax import data
+
+    return data.eos_ids(tokenizer)
 
 
 # ------------------------------------------------------------------------------ sampling

@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -143,21 +142,13 @@ def init_state(params, tx, mesh) -> dict:
     return replicate_unsharded(state, mesh)
 
 
-def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
-    """Short supervised warm-up of the embedded task, stopped at a target accuracy.
+def make_sft_step(graphdef, tx):
+    """jit(step)(params, opt_state, batch) -> (params, opt_state, loss, p_target).
 
-    Targets are `Answer: N` with the true N (probability `warmup_correct_frac`) or a
-    random one. Training stops as soon as the policy's probability of producing the
-    true response, averaged over the batch (= its expected sampling accuracy), reaches
-    `warmup_target_accuracy`, so RL starts from a weak policy whatever the model size.
+    One supervised step on the response tokens of a `sft_batch`. `p_target` is the
+    policy's probability of producing the whole target response, averaged over rows with
+    `target_B = 1` (when targets are true answers: the expected sampling accuracy).
     """
-    a = cfg.arithmetic
-    rng = np.random.default_rng([cfg.seed, 7])
-    eos = tokenizer.eos_token_id
-    R = cfg.rollout.max_new_tokens
-    Tp = max(len(p) for p in prompt_set.prompt_ids)
-    tx = optax.adam(a.warmup_learning_rate)
-    opt_state = init_opt_state(tx, params, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, batch):
@@ -169,9 +160,46 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
 
         (loss, seq_logp_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        p_true = jnp.sum(batch["true_B"] * jnp.exp(seq_logp_B)) / jnp.maximum(batch["true_B"].sum(), 1)
-        return optax.apply_updates(params, updates), opt_state, loss, p_true
+        t_B = batch["target_B"]
+        p_target = jnp.sum(t_B * jnp.exp(seq_logp_B)) / jnp.maximum(t_B.sum(), 1)
+        return optax.apply_updates(params, updates), opt_state, loss, p_target
 
+    return step
+
+
+def sft_batch(prompts: list[list[int]], texts: list[str], tokenizer, *, prompt_len: int,
+              response_len: int, target_B: np.ndarray) -> dict[str, np.ndarray]:
+    """Left-padded prompts and right-padded responses (`text` + EOS) for `make_sft_step`."""
+    n = len(prompts)
+    b = dict(prompt_tokens_BT=np.zeros((n, prompt_len), np.int32),
+             prompt_mask_BT=np.zeros((n, prompt_len), np.int32),
+             tokens_BR=np.zeros((n, response_len), np.int32),
+             mask_BR=np.zeros((n, response_len), np.float32),
+             target_B=np.asarray(target_B, np.float32))
+    for i, (p, t) in enumerate(zip(prompts, texts)):
+        b["prompt_tokens_BT"][i, prompt_len - len(p):] = p
+        b["prompt_mask_BT"][i, prompt_len - len(p):] = 1
+        r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        r = r[:response_len]
+        b["tokens_BR"][i, : len(r)] = r
+        b["mask_BR"][i, : len(r)] = 1
+    return b
+
+
+def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
+    """Short supervised warm-up of the embedded task, stopped at a target accuracy.
+
+    Targets are `Answer: N` with the true N (probability `warmup_correct_frac`) or a
+    random one. Training stops as soon as the policy's probability of producing the
+    true response, averaged over the batch (= its expected sampling accuracy), reaches
+    `warmup_target_accuracy`, so RL starts from a weak policy whatever the model size.
+    """
+    a = cfg.arithmetic
+    rng = np.random.default_rng([cfg.seed, 7])
+    Tp = max(len(p) for p in prompt_set.prompt_ids)
+    tx = optax.adam(a.warmup_learning_rate)
+    opt_state = init_opt_state(tx, params, mesh)
+    step = make_sft_step(graphdef, tx)
     n = a.warmup_batch_size
     row_sh = NamedSharding(mesh, PS(BATCH_AXES))
     loss = p_true = float("nan")
@@ -180,16 +208,9 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
         idx = rng.integers(len(prompt_set.prompt_ids), size=n)
         truths = [prompt_set.ground_truths[j] for j in idx]
         texts = arithmetic.warmup_responses(rng, truths, a.max_operand, a.ops, a.warmup_correct_frac)
-        b = dict(prompt_tokens_BT=np.zeros((n, Tp), np.int32), prompt_mask_BT=np.zeros((n, Tp), np.int32),
-                 tokens_BR=np.zeros((n, R), np.int32), mask_BR=np.zeros((n, R), np.float32),
-                 true_B=np.array([t == f"Answer: {g}" for t, g in zip(texts, truths)], np.float32))
-        for i, (j, t) in enumerate(zip(idx, texts)):
-            p = prompt_set.prompt_ids[j]
-            b["prompt_tokens_BT"][i, Tp - len(p):] = p
-            b["prompt_mask_BT"][i, Tp - len(p):] = 1
-            r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [eos])[:R]
-            b["tokens_BR"][i, : len(r)] = r
-            b["mask_BR"][i, : len(r)] = 1
+        b = sft_batch([prompt_set.prompt_ids[j] for j in idx], texts, tokenizer, prompt_len=Tp,
+                      response_len=cfg.rollout.max_new_tokens,
+                      target_B=np.array([t == f"Answer: {g}" for t, g in zip(texts, truths)]))
         params, opt_state, loss, p_true = step(params, opt_state, distributed.put_global(b, row_sh))
         if float(p_true) >= a.warmup_target_accuracy:
             break
@@ -197,13 +218,10 @@ def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
 
 
 def _eos_ids(tokenizer) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-    if im_end is not None:
-        ids.add(im_end)
-    if not ids:
-        raise build.ConfigError("the tokenizer defines no EOS token; generation could never stop")
-    return ids
+    try:
+        return set(data.eos_ids(tokenizer))
+    except ValueError as e:
+        raise build.ConfigError(str(e)) from e
 
 
 def _config_json(cfg) -> str:

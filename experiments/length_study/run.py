@@ -15,7 +15,6 @@ starts from the same checkpoint, so runs differ only in the rule and the RL seed
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -50,7 +49,6 @@ def warm_start(setting: str, seed: int, root: str, *, steps: int, batch_size: in
                learning_rate: float) -> dict:
     """Supervised warm-up on the setting's right/wrong mixture; saves a convert_hf checkpoint."""
     import jax
-    import jax.numpy as jnp
     import optax
     from flax import nnx
 
@@ -75,39 +73,18 @@ def warm_start(setting: str, seed: int, root: str, *, steps: int, batch_size: in
     graphdef, params = build.init_policy(cfg, mesh)
     tx = optax.adam(optax.cosine_decay_schedule(learning_rate, steps, alpha=0.1))
     opt_state = tx.init(params)
-    R, eos = cfg.rollout.max_new_tokens, tokenizer.eos_token_id
     Tp = max(len(p) for p in prompt_set.prompt_ids)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            logp_BR, _ = train.policy_logprobs(graphdef, p, batch)
-            n = jnp.maximum(batch["mask_BR"].sum(), 1)
-            return -jnp.sum(batch["mask_BR"] * logp_BR) / n, jnp.sum(batch["mask_BR"] * logp_BR, 1)
-
-        (loss, seq_logp_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        # The policy's probability of the exact right response, on rows whose target is it.
-        right_B = batch["right_B"]
-        p_right = jnp.sum(right_B * jnp.exp(seq_logp_B)) / jnp.maximum(right_B.sum(), 1)
-        return optax.apply_updates(params, updates), opt_state, loss, p_right
-
+    # The trainer's supervised step; p_target is the probability of the exact right
+    # response on rows whose target is it.
+    step = train.make_sft_step(graphdef, tx)
     rng = np.random.default_rng([seed, 11])
     t0, log = time.time(), []
     for it in range(1, steps + 1):
         idx = rng.integers(len(problems), size=batch_size)
         texts, right_B = length_task.warmup_responses(rng, [problems[i] for i in idx], task)
-        b = dict(prompt_tokens_BT=np.zeros((batch_size, Tp), np.int32),
-                 prompt_mask_BT=np.zeros((batch_size, Tp), np.int32),
-                 tokens_BR=np.zeros((batch_size, R), np.int32),
-                 mask_BR=np.zeros((batch_size, R), np.float32), right_B=right_B.astype(np.float32))
-        for i, (j, t) in enumerate(zip(idx, texts)):
-            p = prompt_set.prompt_ids[j]
-            b["prompt_tokens_BT"][i, Tp - len(p):] = p
-            b["prompt_mask_BT"][i, Tp - len(p):] = 1
-            r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [eos])[:R]
-            b["tokens_BR"][i, : len(r)] = r
-            b["mask_BR"][i, : len(r)] = 1
+        b = train.sft_batch([prompt_set.prompt_ids[j] for j in idx], texts, tokenizer,
+                            prompt_len=Tp, response_len=cfg.rollout.max_new_tokens,
+                            target_B=right_B)
         params, opt_state, loss, p_right = step(params, opt_state, b)
         if it % 100 == 0 or it == steps:
             log.append(dict(step=it, loss=float(loss), p_right=float(p_right)))
