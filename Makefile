@@ -4,23 +4,28 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Optional native CPU kernel (ba_jax/native); without a C++ compiler the XLA path is used.
+NATIVE := ba_jax/native/_decode_attention.so
 WORKDIR ?= runs/default
 PYTEST_ARGS ?=
 
 .PHONY: train test setup bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NATIVE)
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
-train: $(STAMP)
+$(NATIVE): ba_jax/native/decode_attention.cc $(STAMP)
+	$(PY) -m ba_jax.native build
+
+train: $(STAMP) $(NATIVE)
 	$(PY) -m ba_jax.main --config=configs/default.py --workdir=$(WORKDIR)
 
-test: $(STAMP)
+test: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache $(NATIVE)

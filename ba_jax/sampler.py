@@ -41,6 +41,7 @@ from flax import nnx, struct
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ba_jax import native
 from ba_jax.models import qwen
 from ba_jax.sharding import BATCH_AXES
 
@@ -234,10 +235,12 @@ def rollout_arrays(
     eos_E: jax.Array,
     pad_id: jax.Array | int,
     mesh: Mesh | None = None,
+    use_native: bool = False,
 ) -> dict[str, jax.Array]:
     """Traceable body of `generate` on left-padded prompts -> dict of [P*G, M] arrays.
 
     `eos_E` (int32 [E]) and `pad_id` may be traced, so changing them does not recompile.
+    `use_native` runs the decode steps' attention through `ba_jax.native` (CPU, unsharded).
     """
     (P, Tp), G, M = prompt_PT.shape, num_samples, max_new_tokens
     B = P * G
@@ -272,13 +275,15 @@ def rollout_arrays(
     def cond(st: SamplingState) -> jax.Array:
         return (st.step < M) & ~jnp.all(st.done_B)
 
+    native_kw = dict(use_native=True) if use_native else {}  # other models need not know it
+
     def body(st: SamplingState) -> SamplingState:
         t = st.step  # decode token t-1 (slot Tp+t-1), then sample token t
         token_B1 = lax.dynamic_slice_in_dim(st.tokens_BM, t - 1, 1, axis=1)
         gen_BM = jnp.broadcast_to(jnp.arange(M)[None] < t, (B, M)).astype(jnp.int32)
         slots_BS = jnp.concatenate([pmask_BT, gen_BM], 1)
         logits_B1V, cache = model.decode(token_B1, (len_B + t - 1)[:, None], st.cache,
-                                         Tp + t - 1, slots_BS)
+                                         Tp + t - 1, slots_BS, **native_kw)
         sample = sample_logits(logits_B1V[:, 0], jax.random.fold_in(key, t), config)
         return _write(st.replace(cache=cache), *sample, eos_E, pad_id)
 
@@ -326,16 +331,23 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int, pad_id: int):
 _JITTED: dict[tuple, Callable] = {}
 
 
-def _jitted(graphdef, P, Tp, G, M, config, mesh) -> Callable:
+def use_native_decode(model: Any, mesh: Mesh | None) -> bool:
+    """Whether decode steps use the native CPU attention kernel: a `Qwen` model, the kernel
+    built and on the CPU backend, and rows not split over devices (XLA cannot partition it)."""
+    return (isinstance(model, qwen.Qwen) and (mesh is None or mesh.size == 1)
+            and native.decode_attention_available())
+
+
+def _jitted(graphdef, P, Tp, G, M, config, mesh, use_native) -> Callable:
     """One jitted rollout per (model structure, bucket, settings), built once and reused."""
-    k = (graphdef, P, Tp, G, M, config, mesh)
+    k = (graphdef, P, Tp, G, M, config, mesh, use_native)
     if k not in _JITTED:
         def run(state, prompt_PT, prompt_mask_PT, key, eos_E, pad_id):
             TRACE_COUNTS[(P, Tp, G, M)] += 1  # runs at trace time only
             model = nnx.merge(graphdef, state)
             return rollout_arrays(model, prompt_PT, prompt_mask_PT, key, num_samples=G,
                                   max_new_tokens=M, config=config, eos_E=eos_E,
-                                  pad_id=pad_id, mesh=mesh)
+                                  pad_id=pad_id, mesh=mesh, use_native=use_native)
 
         _JITTED[k] = jax.jit(run)
     return _JITTED[k]
@@ -371,7 +383,7 @@ def generate(
     Tp = prompt_bucket(max(len(p) for p in prompts))
     prompt_PT, pmask_PT = left_pad(prompts, Tp, pad)
     graphdef, state = nnx.split(model)
-    run = _jitted(graphdef, P, Tp, G, M, config, mesh)
+    run = _jitted(graphdef, P, Tp, G, M, config, mesh, use_native_decode(model, mesh))
     out = run(state, prompt_PT, pmask_PT, key, np.asarray(eos, np.int32), np.int32(pad))
     out = jax.device_get(out)
     mask_BM = np.asarray(out["mask"], np.int32)

@@ -45,6 +45,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from ba_jax import native
+
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform, not NaN, row
 
 
@@ -266,7 +268,8 @@ class Attention(nnx.Module):
         self.num_kv_heads = K
         self.dtype = dtype
 
-    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None):
+    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None,
+                 native_slots_BS=None):
         B, T, _ = x_BTD.shape
         q_BTNH = self.q_proj(x_BTD)
         k_BTKH = self.k_proj(x_BTD)
@@ -274,6 +277,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH = _rope(q_BTNH, sin_BTH, cos_BTH)
+        if native_slots_BS is not None:  # one cached token through the CPU kernel
+            o_BNH, k_BKSH, v_BKSH = native.decode_attention(
+                q_BTNH[:, 0], _rope(k_BTKH, sin_BTH, cos_BTH)[:, 0], v_BTKH[:, 0], kv[0], kv[1],
+                native_slots_BS, cache_index)
+            return self.o_proj(o_BNH[:, None].astype(self.dtype)), (k_BKSH, v_BKSH)
         k_BKTH = _rope(k_BTKH, sin_BTH, cos_BTH).transpose(0, 2, 1, 3)
         v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
         if kv is None:
@@ -319,9 +327,10 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, **nkw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **nkw)
 
-    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None):
+    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None,
+                 native_slots_BS=None):
         h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, mask_BTS,
-                                   kv, cache_index)
+                                   kv, cache_index, native_slots_BS)
         x_BTD = x_BTD + h_BTD
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)), kv
 
@@ -390,10 +399,18 @@ class Qwen(nnx.Module):
         return self._logits(x_BTD)
 
     def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
-               cache_index: jax.Array | int, attn_mask_BS: jax.Array
-               ) -> tuple[jax.Array, KVCache]:
-        """Writes T tokens at `cache_index` and attends over the cache -> (logits_BTV, cache)."""
+               cache_index: jax.Array | int, attn_mask_BS: jax.Array, *,
+               use_native: bool = False) -> tuple[jax.Array, KVCache]:
+        """Writes T tokens at `cache_index` and attends over the cache -> (logits_BTV, cache).
+
+        `use_native` (T == 1 only; the caller checks `native.decode_attention_available()`
+        and that the arrays are not sharded) runs each layer's attention and cache write
+        through the CPU kernel of `ba_jax.native` instead of XLA; same results.
+        """
         T = tokens_BT.shape[1]
+        if use_native and T != 1:
+            raise ValueError(f"use_native decodes one token at a time, got T={T}")
+        native_slots_BS = attn_mask_BS if use_native else None
         S = cache.k_BKSH[0].shape[2]
         sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
                                         self.config.rope_theta)
@@ -403,7 +420,8 @@ class Qwen(nnx.Module):
         x_BTD = self._embed(tokens_BT)
         ks, vs = [], []
         for layer, k, v in zip(self.layers, cache.k_BKSH, cache.v_BKSH):
-            x_BTD, (k, v) = layer(x_BTD, sin_BTH, cos_BTH, mask_BTS, (k, v), cache_index)
+            x_BTD, (k, v) = layer(x_BTD, sin_BTH, cos_BTH, mask_BTS, (k, v), cache_index,
+                                  native_slots_BS)
             ks.append(k)
             vs.append(v)
         return self._logits(x_BTD), KVCache(k_BKSH=ks, v_BKSH=vs)

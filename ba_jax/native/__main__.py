@@ -1,0 +1,5 @@
+import sys
+
+from ba_jax.native import main
+
+sys.exit(main(sys.argv))

@@ -1,0 +1,98 @@
+"""Tests for ba_jax.native: the CPU decode-attention kernel against the XLA formulation,
+in place cache writes, and the sampler giving the same rollouts with and without it.
+
+The kernel is optional at run time (no C++ compiler -> XLA path), but `make test` builds it,
+so these tests fail rather than skip when the build is expected (BA_JAX_REQUIRE_NATIVE=1,
+set by nothing but a user who wants to insist; CI builds it through the Makefile)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+from ba_jax import native, sampler
+from ba_jax.models import qwen
+
+pytestmark = pytest.mark.skipif(
+    not native.decode_attention_available() and os.environ.get("BA_JAX_REQUIRE_NATIVE") != "1",
+    reason="native kernel not built (python -m ba_jax.native build)")
+
+
+def _xla_reference(q_BNH, k_new, v_new, kc_BKSH, vc_BKSH, mask_BS, index):
+    """The same computation as qwen.Attention's cached path, written directly."""
+    B, N, H = q_BNH.shape
+    K, S = kc_BKSH.shape[1], kc_BKSH.shape[2]
+    kc = lax.dynamic_update_slice(kc_BKSH, k_new[:, :, None], (0, 0, index, 0))
+    vc = lax.dynamic_update_slice(vc_BKSH, v_new[:, :, None], (0, 0, index, 0))
+    q = q_BNH.reshape(B, K, N // K, H)
+    s = jnp.einsum("BKGH,BKSH->BKGS", q, kc, preferred_element_type=jnp.float32) * H ** -0.5
+    ok = (mask_BS.astype(bool) & (jnp.arange(S) <= index))[:, None, None]
+    p = jax.nn.softmax(jnp.where(ok, s, qwen._MASKED), -1).astype(kc.dtype)
+    o = jnp.einsum("BKGS,BKSH->BKGH", p, vc, preferred_element_type=jnp.float32)
+    return o.reshape(B, N, H), kc, vc
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("N, K, H", [(8, 4, 64), (6, 2, 24), (3, 3, 17)])
+def test_kernel_matches_xla(dtype, N, K, H):
+    B, S, index = 6, 21, 13
+    rng = np.random.default_rng(0)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    q, kn, vn = arr(B, N, H), arr(B, K, H), arr(B, K, H)
+    kc, vc = arr(B, K, S, H), arr(B, K, S, H)
+    mask = rng.random((B, S)) < 0.6
+    mask[:, index] = True
+    mask[2] = False  # no valid slot at all: both sides average all S slots uniformly
+    mask[3, :index] = False  # only the slot being written
+    mask = jnp.asarray(mask, jnp.int32)
+    want = jax.jit(_xla_reference)(q, kn, vn, kc, vc, mask, index)
+    got = jax.jit(native.decode_attention)(q, kn, vn, kc, vc, mask, index)
+    for g, w in zip(got[1:], want[1:]):  # the caches: bit-identical writes
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), w.astype(jnp.float32))
+    atol = 2e-6 if dtype == jnp.float32 else 1e-5  # bf16: p is rounded alike on both sides
+    np.testing.assert_allclose(got[0], want[0], atol=atol, rtol=0)
+
+
+def test_cache_updated_in_place_under_donation():
+    B, N, K, S, H = 4, 4, 2, 16, 32
+    f = jax.jit(native.decode_attention, donate_argnums=(3, 4))
+    kc, vc = jnp.zeros((B, K, S, H)), jnp.zeros((B, K, S, H))
+    ptr = kc.unsafe_buffer_pointer()
+    ones = jnp.ones((B, K, H))
+    for i in range(3):
+        _, kc, vc = f(jnp.ones((B, N, H)), ones * (i + 1), ones, kc, vc,
+                      jnp.ones((B, S), jnp.int32), i)
+    assert kc.unsafe_buffer_pointer() == ptr
+    np.testing.assert_array_equal(np.asarray(kc)[:, :, :4, 0], np.broadcast_to([1, 2, 3, 0], (B, K, 4)))
+
+
+def test_bad_index_is_an_error():
+    with pytest.raises(Exception, match="cache index out of range"):
+        z = jnp.zeros((1, 2, 4, 8))
+        native.decode_attention(jnp.zeros((1, 2, 8)), z[:, :, 0], z[:, :, 0], z, z,
+                                jnp.ones((1, 4), jnp.int32), 4).__getitem__(0).block_until_ready()
+
+
+def test_sampler_same_rollouts_with_and_without_kernel(monkeypatch):
+    cfg = qwen.ModelConfig("qwen3", vocab_size=61, hidden_size=32, intermediate_size=48,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                           rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=128,
+                           use_tied_embeddings=True, use_qkv_bias=False, use_o_bias=False,
+                           use_qk_norm=True)
+    model = qwen.Qwen(cfg, rngs=nnx.Rngs(3))
+    prompts = [[5, 17, 3], [9, 4, 22, 7, 8], [1]]
+    kw = dict(num_samples=3, max_new_tokens=12, key=jax.random.key(7), eos_ids=[60])
+    assert sampler.use_native_decode(model, None)
+    fast = sampler.generate(model, prompts, **kw)
+    monkeypatch.setenv("BA_JAX_NO_NATIVE", "1")
+    assert not sampler.use_native_decode(model, None)
+    slow = sampler.generate(model, prompts, **kw)
+    np.testing.assert_array_equal(fast.tokens, slow.tokens)
+    np.testing.assert_array_equal(fast.mask, slow.mask)
+    np.testing.assert_allclose(fast.logprobs, slow.logprobs, atol=2e-6)
