@@ -57,19 +57,43 @@ inline float Load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 
-// Dot product in 16 independent float lanes, so the compiler vectorizes it without
-// reassociating a single sum (-ffast-math is not used).
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const uint16_t* p) {  // 16 bf16 -> f32: the bits shifted into the high half
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// sum_h a[h] * b[h] with float32 products and sums (a already float32).
 template <typename T>
 inline float Dot(const float* a, const T* b, int64_t n) {
-  float lanes[16] = {0.0f};
   int64_t h = 0;
-  for (; h + 16 <= n; h += 16) {
-    for (int j = 0; j < 16; ++j) lanes[j] += a[h + j] * Load(b, h + j);
-  }
   float s = 0.0f;
-  for (int j = 0; j < 16; ++j) s += lanes[j];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), Load16(b));
+    for (h = 16; h + 16 <= n; h += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + h), Load16(b + h), acc);
+    s = _mm512_reduce_add_ps(acc);
+  }
+#endif
   for (; h < n; ++h) s += a[h] * Load(b, h);
   return s;
+}
+
+// acc[h] += p * b[h]
+template <typename T>
+inline void Axpy(float p, const T* b, float* acc, int64_t n) {
+  int64_t h = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; h + 16 <= n; h += 16) {
+    _mm512_storeu_ps(acc + h, _mm512_fmadd_ps(pv, Load16(b + h), _mm512_loadu_ps(acc + h)));
+  }
+#endif
+  for (; h < n; ++h) acc[h] += p * Load(b, h);
 }
 
 struct Dims {
@@ -130,12 +154,7 @@ void AttendRows(const Dims& d, int64_t index, const T* q, const T* k_new, const 
       std::fill(acc, acc + G * H, 0.0f);
       for (int64_t j = 0; j < L; ++j) {
         const T* vp = vc + static_cast<int64_t>(slots[j]) * H;
-        for (int64_t h = 0; h < H; ++h) qf[h] = Load(vp, h);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * S + j];
-          float* a = acc + g * H;
-          for (int64_t h = 0; h < H; ++h) a[h] += p * qf[h];
-        }
+        for (int64_t g = 0; g < G; ++g) Axpy(scores[g * S + j], vp, acc + g * H, H);
       }
       for (int64_t g = 0; g < G; ++g) {
         std::memcpy(out + (b * d.N + kh * G + g) * H, acc + g * H, H * sizeof(float));
