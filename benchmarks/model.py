@@ -6,9 +6,11 @@ Workload (spec/performance.md): the reference Qwen3 model (vocab 8192, hidden 51
 `Qwen3ForCausalLM` with `torch.optim.AdamW`, `torch.set_num_threads(2)`. Both keep float32
 master weights and AdamW state; in bf16 the peer runs its forward under
 `torch.autocast("cpu", dtype=torch.bfloat16)` and ba_jax computes with `dtype=bfloat16`
-(bf16 x bf16 -> f32 matmuls forward and backward, f32 norms/softmax/logits). Steps of the two
-alternate so drifting machine load hits both alike; medians are reported, plus the fraction
-of this machine's matmul peak (a 2048^3 jnp matmul measured in the same run) at 6N FLOPs/token.
+(bf16 x bf16 -> f32 matmuls forward and backward, f32 norms/softmax/logits). Each side runs in
+its own worker process (benchmarks/_workers.py) and their steps alternate, so drifting machine
+load hits both alike and PyTorch's spinning OpenMP threads cannot slow XLA's; medians are
+reported, plus the fraction of this machine's matmul peak (a 2048^3 jnp matmul measured in
+the ba_jax worker) at 6N FLOPs/token.
 
     python benchmarks/model.py [--steps 5] [--precisions f32,bf16]
     python benchmarks/model.py --cache-write    # KV-cache slot write, plain vs qwen._cache_write
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from ba_jax import grpo  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
@@ -106,63 +109,98 @@ def cache_write() -> None:
         print(f"| {jnp.dtype(dt).name} | {row[0]:.2f} | {row[1]:.2f} |")
 
 
+def ours_setup(hf_dir: str, precision: str):
+    """Worker: the jitted ba_jax step (compiled here); one timed step per request."""
+    step, params, opt_state = make_jax_step(hf_dir, jnp.bfloat16 if precision == "bf16"
+                                            else jnp.float32)
+    tokens = jnp.asarray(_tokens())
+    state = [params, opt_state]
+
+    def run_once() -> float:
+        t0 = time.perf_counter()
+        state[0], state[1], loss = step(state[0], state[1], tokens)
+        loss.block_until_ready()
+        return time.perf_counter() - t0
+
+    state[0], state[1], loss = step(state[0], state[1], tokens)  # compile
+    return run_once, dict(first_loss=float(loss), peak=matmul_peak()[precision])
+
+
+def peer_setup(hf_dir: str, precision: str):
+    """Worker: transformers' Qwen3ForCausalLM + torch.optim.AdamW, 2 threads."""
+    torch.set_num_threads(2)
+    hf = Qwen3ForCausalLM.from_pretrained(hf_dir).train()
+    topt = torch.optim.AdamW(hf.parameters(), lr=LR)
+    ids = torch.as_tensor(_tokens())
+    autocast = precision == "bf16"
+
+    def step() -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = hf(input_ids=ids, labels=ids).loss
+        loss.backward()
+        topt.step()
+        topt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def run_once() -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    return run_once, dict(first_loss=step())
+
+
+def _tokens() -> np.ndarray:
+    return np.random.RandomState(0).randint(0, V, (B, T))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precisions", default="f32,bf16")
     parser.add_argument("--cache-write", action="store_true", help="only the KV-cache write")
+    parser.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
+    parser.add_argument("--precision", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cache_write:
         return cache_write()
-    torch.set_num_threads(2)
+    if args.worker == "ours":
+        return _workers.serve(lambda: ours_setup(args.model_dir, args.precision))
+    if args.worker == "peer":
+        return _workers.serve(lambda: peer_setup(args.model_dir, args.precision))
     torch.manual_seed(0)
-    config = Qwen3Config(**HF_KW)
-    n_params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
-    tokens = np.random.RandomState(0).randint(0, V, (B, T))
-    peak = matmul_peak()
-    print(f"params {n_params / 1e6:.2f}M; matmul peak GFLOP/s: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in peak.items()))
+    hf = Qwen3ForCausalLM(Qwen3Config(**HF_KW))
+    hf.config.architectures = ["Qwen3ForCausalLM"]
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"params {n_params / 1e6:.2f}M; each side in its own process, alternating; "
+          f"load average {os.getloadavg()}")
     rows = []
-    for prec in args.precisions.split(","):
-        torch.manual_seed(0)
-        hf = Qwen3ForCausalLM(config).train()
-        hf.config.architectures = ["Qwen3ForCausalLM"]
-        topt = torch.optim.AdamW(hf.parameters(), lr=LR)
-        ids = torch.as_tensor(tokens)
-        autocast = prec == "bf16"
-
-        def peer_step():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = hf(input_ids=ids, labels=ids).loss
-            loss.backward()
-            topt.step()
-            topt.zero_grad(set_to_none=True)
-            return loss.item()
-
-        with tempfile.TemporaryDirectory() as tmp:
-            hf.save_pretrained(tmp)
-            step, params, opt_state = make_jax_step(tmp, jnp.bfloat16 if autocast else jnp.float32)
-        jtok = jnp.asarray(tokens)
-        params, opt_state, loss = step(params, opt_state, jtok)  # compile
-        jl0, pl0 = float(loss), peer_step()
-        ours, peer = [], []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            params, opt_state, loss = step(params, opt_state, jtok)
-            loss.block_until_ready()
-            ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            peer_step()
-            peer.append(time.perf_counter() - t0)
-        tj, tp = B * T / statistics.median(ours), B * T / statistics.median(peer)
-        frac = 6 * n_params * tj / 1e9 / peak[prec]
-        rows.append((prec, tj, tp, tj / tp, frac))
-        print(f"{prec}: first losses ours {jl0:.4f} peer {pl0:.4f}; ba_jax {tj:.0f} tok/s, "
-              f"PyTorch {tp:.0f} tok/s, ratio {tj / tp:.2f}x, {100 * frac:.0f}% of {prec} peak")
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)  # both sides start from these weights
+        for prec in args.precisions.split(","):
+            common = ["--precision", prec, "--model-dir", tmp]
+            ours = _workers.Worker([__file__, "--worker", "ours", *common])
+            peer = _workers.Worker([__file__, "--worker", "peer", *common])
+            t_ours, t_peer = [], []
+            for _ in range(args.steps):
+                t_ours.append(ours.run())
+                t_peer.append(peer.run())
+            ours.close()
+            peer.close()
+            tj, tp = B * T / statistics.median(t_ours), B * T / statistics.median(t_peer)
+            peak = ours.info["peak"]
+            frac = 6 * n_params * tj / 1e9 / peak
+            rows.append((prec, tj, tp, tj / tp, frac, peak))
+            print(f"{prec}: first losses ours {ours.info['first_loss']:.4f} peer "
+                  f"{peer.info['first_loss']:.4f}; ba_jax {tj:.0f} tok/s, PyTorch {tp:.0f} tok/s, "
+                  f"ratio {tj / tp:.2f}x, {100 * frac:.0f}% of the {prec} matmul peak "
+                  f"({peak:.0f} GFLOP/s); steps ours {[round(t, 2) for t in t_ours]} "
+                  f"peer {[round(t, 2) for t in t_peer]}")
     print("\n| precision | ba_jax tokens/s | PyTorch tokens/s | ratio | ba_jax % of matmul peak |")
     print("|---|---:|---:|---:|---:|")
-    for prec, tj, tp, r, frac in rows:
-        print(f"| {prec} | {tj:.0f} | {tp:.0f} | {r:.2f}x | {100 * frac:.0f}% |")
+    for prec, tj, tp, r, frac, peak in rows:
+        print(f"| {prec} | {tj:.0f} | {tp:.0f} | {r:.2f}x | {100 * frac:.0f}% of {peak:.0f} |")
 
 
 if __name__ == "__main__":
