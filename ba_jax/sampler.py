@@ -19,6 +19,9 @@ How one call runs (all inside one jitted function, compiled once per bucket):
 Decode layout with a mesh: rows (P*G) are split over the mesh's `data` and `fsdp` axes;
 parameters keep the sharding they were loaded with (tensor-parallel weights stay split).
 An FSDP-sharded model is all-gathered by XLA each step, so reshard it for decoding first.
+On one CPU device the decode steps' attention and cache writes go through the native
+kernel of `ba_jax.native` when it is built (`use_native_decode`): same results, several
+times faster there than XLA:CPU's batched matrix-vector products and bf16 cache updates.
 
 Log-probs: `Rollout.logprobs` is log_softmax(logits) of the sampled token, the model's own
 distribution at temperature 1 without top-k/top-p, i.e. what the trainer recomputes as
