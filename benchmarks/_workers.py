@@ -8,7 +8,8 @@ request; the driver alternates requests so drifting machine load hits both sides
 and only one side computes at any moment.
 
 Worker side:  serve(setup) where setup() -> (run_once, info); run_once() -> seconds.
-Driver side:  w = Worker([script, "--worker", ...]); w.info; w.run(); w.close().
+Driver side:  alternate(ours_argv, peer_argv, runs) -> (ours times, peer times, infos),
+              built on Worker([script, "--worker", ...]).run().
 """
 
 from __future__ import annotations
@@ -55,3 +56,18 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
+
+
+def alternate(ours_argv: list[str], peer_argv: list[str], runs: int):
+    """Starts both workers, times `runs` calls of each in turn -> (t_ours, t_peer, info_ours,
+    info_peer)."""
+    ours, peer = Worker(ours_argv), Worker(peer_argv)
+    t_ours, t_peer = [], []
+    try:
+        for _ in range(runs):
+            t_ours.append(ours.run())
+            t_peer.append(peer.run())
+    finally:
+        ours.close()
+        peer.close()
+    return t_ours, t_peer, ours.info, peer.info

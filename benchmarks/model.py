@@ -180,20 +180,15 @@ def main() -> None:
         hf.save_pretrained(tmp)  # both sides start from these weights
         for prec in args.precisions.split(","):
             common = ["--precision", prec, "--model-dir", tmp]
-            ours = _workers.Worker([__file__, "--worker", "ours", *common])
-            peer = _workers.Worker([__file__, "--worker", "peer", *common])
-            t_ours, t_peer = [], []
-            for _ in range(args.steps):
-                t_ours.append(ours.run())
-                t_peer.append(peer.run())
-            ours.close()
-            peer.close()
+            t_ours, t_peer, ours_info, peer_info = _workers.alternate(
+                [__file__, "--worker", "ours", *common], [__file__, "--worker", "peer", *common],
+                args.steps)
             tj, tp = B * T / statistics.median(t_ours), B * T / statistics.median(t_peer)
-            peak = ours.info["peak"]
+            peak = ours_info["peak"]
             frac = 6 * n_params * tj / 1e9 / peak
             rows.append((prec, tj, tp, tj / tp, frac, peak))
-            print(f"{prec}: first losses ours {ours.info['first_loss']:.4f} peer "
-                  f"{peer.info['first_loss']:.4f}; ba_jax {tj:.0f} tok/s, PyTorch {tp:.0f} tok/s, "
+            print(f"{prec}: first losses ours {ours_info['first_loss']:.4f} peer "
+                  f"{peer_info['first_loss']:.4f}; ba_jax {tj:.0f} tok/s, PyTorch {tp:.0f} tok/s, "
                   f"ratio {tj / tp:.2f}x, {100 * frac:.0f}% of the {prec} matmul peak "
                   f"({peak:.0f} GFLOP/s); steps ours {[round(t, 2) for t in t_ours]} "
                   f"peer {[round(t, 2) for t in t_peer]}")

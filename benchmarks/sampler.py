@@ -118,21 +118,16 @@ def main() -> None:
         for prec in args.precisions.split(","):
             common = ["--precision", prec, "--model-dir", tmp,
                       "--peer-threads", str(args.peer_threads)]
-            ours = _workers.Worker([__file__, "--worker", "ours", *common])
-            peer = _workers.Worker([__file__, "--worker", "peer", *common])
-            t_ours, t_peer = [], []
-            for _ in range(args.runs):
-                t_ours.append(ours.run())
-                t_peer.append(peer.run())
-            ours.close()
-            peer.close()
+            t_ours, t_peer, ours_info, peer_info = _workers.alternate(
+                [__file__, "--worker", "ours", *common], [__file__, "--worker", "peer", *common],
+                args.runs)
             ours_s, peer_s = statistics.median(t_ours), statistics.median(t_peer)
             rows.append((prec, tokens / ours_s, tokens / peer_s, peer_s / ours_s,
-                         ours.info["compile_s"]))
+                         ours_info["compile_s"]))
             print(f"{prec}: ba_jax {tokens / ours_s:,.0f} tokens/s, transformers "
                   f"{tokens / peer_s:,.0f} tokens/s, ratio {peer_s / ours_s:.2f}x; "
-                  f"compile {ours.info['compile_s']:.1f} s; native attention "
-                  f"{ours.info['native_attention']}; runs ours {[round(t, 2) for t in t_ours]} "
+                  f"compile {ours_info['compile_s']:.1f} s; native attention "
+                  f"{ours_info['native_attention']}; runs ours {[round(t, 2) for t in t_ours]} "
                   f"peer {[round(t, 2) for t in t_peer]}; load average {os.getloadavg()}")
     print("\n| precision | ba_jax tokens/s | transformers tokens/s | ratio | compile |")
     print("|---|---:|---:|---:|---:|")

@@ -24,14 +24,14 @@ pytestmark = pytest.mark.skipif(
     reason="native kernel not built (python -m ba_jax.native build)")
 
 
-def _xla_reference(q_BNH, k_new, v_new, kc_BKSH, vc_BKSH, mask_BS, index):
+def _xla_reference(q_BNH, k_new, v_new, kc_BKHS, vc_BKSH, mask_BS, index):
     """The same computation as qwen.Attention's cached path, written directly."""
     B, N, H = q_BNH.shape
-    K, S = kc_BKSH.shape[1], kc_BKSH.shape[2]
-    kc = lax.dynamic_update_slice(kc_BKSH, k_new[:, :, None], (0, 0, index, 0))
+    K, S = vc_BKSH.shape[1], vc_BKSH.shape[2]
+    kc = lax.dynamic_update_slice(kc_BKHS, k_new[:, :, :, None], (0, 0, 0, index))
     vc = lax.dynamic_update_slice(vc_BKSH, v_new[:, :, None], (0, 0, index, 0))
     q = q_BNH.reshape(B, K, N // K, H)
-    s = jnp.einsum("BKGH,BKSH->BKGS", q, kc, preferred_element_type=jnp.float32) * H ** -0.5
+    s = jnp.einsum("BKGH,BKHS->BKGS", q, kc, preferred_element_type=jnp.float32) * H ** -0.5
     ok = (mask_BS.astype(bool) & (jnp.arange(S) <= index))[:, None, None]
     p = jax.nn.softmax(jnp.where(ok, s, qwen._MASKED), -1).astype(kc.dtype)
     o = jnp.einsum("BKGS,BKSH->BKGH", p, vc, preferred_element_type=jnp.float32)
@@ -39,17 +39,23 @@ def _xla_reference(q_BNH, k_new, v_new, kc_BKSH, vc_BKSH, mask_BS, index):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("N, K, H", [(8, 4, 64), (6, 2, 24), (3, 3, 17)])
-def test_kernel_matches_xla(dtype, N, K, H):
-    B, S, index = 6, 21, 13
+@pytest.mark.parametrize("N, K, H, S, index", [
+    (8, 4, 64, 21, 13),    # one partial 16-slot chunk
+    (6, 2, 24, 70, 69),    # full chunks + a tail at the end of the cache; 3 heads per group
+    (14, 2, 32, 40, 33),   # 7 heads per group (blocks of 4 + 2 + 1)
+    (3, 3, 17, 21, 0),     # H not a multiple of 16 (scalar value path); the first slot
+])
+def test_kernel_matches_xla(dtype, N, K, H, S, index):
+    B = 6
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
     q, kn, vn = arr(B, N, H), arr(B, K, H), arr(B, K, H)
-    kc, vc = arr(B, K, S, H), arr(B, K, S, H)
+    kc, vc = arr(B, K, H, S), arr(B, K, S, H)
     mask = rng.random((B, S)) < 0.6
     mask[:, index] = True
     mask[2] = False  # no valid slot at all: both sides average all S slots uniformly
     mask[3, :index] = False  # only the slot being written
+    mask[4, index + 1:] = True  # slots after `index` never count, whatever the mask says
     mask = jnp.asarray(mask, jnp.int32)
     want = jax.jit(_xla_reference)(q, kn, vn, kc, vc, mask, index)
     got = jax.jit(native.decode_attention)(q, kn, vn, kc, vc, mask, index)
@@ -62,20 +68,22 @@ def test_kernel_matches_xla(dtype, N, K, H):
 def test_cache_updated_in_place_under_donation():
     B, N, K, S, H = 4, 4, 2, 16, 32
     f = jax.jit(native.decode_attention, donate_argnums=(3, 4))
-    kc, vc = jnp.zeros((B, K, S, H)), jnp.zeros((B, K, S, H))
+    kc, vc = jnp.zeros((B, K, H, S)), jnp.zeros((B, K, S, H))
     ptr = kc.unsafe_buffer_pointer()
     ones = jnp.ones((B, K, H))
     for i in range(3):
         _, kc, vc = f(jnp.ones((B, N, H)), ones * (i + 1), ones, kc, vc,
                       jnp.ones((B, S), jnp.int32), i)
     assert kc.unsafe_buffer_pointer() == ptr
-    np.testing.assert_array_equal(np.asarray(kc)[:, :, :4, 0], np.broadcast_to([1, 2, 3, 0], (B, K, 4)))
+    np.testing.assert_array_equal(np.asarray(kc)[:, :, 0, :4], np.broadcast_to([1, 2, 3, 0], (B, K, 4)))
+    np.testing.assert_array_equal(np.asarray(vc)[:, :, :4, 0], np.broadcast_to([1, 1, 1, 0], (B, K, 4)))
 
 
 def test_bad_index_is_an_error():
     with pytest.raises(Exception, match="cache index out of range"):
-        z = jnp.zeros((1, 2, 4, 8))
-        native.decode_attention(jnp.zeros((1, 2, 8)), z[:, :, 0], z[:, :, 0], z, z,
+        z = jnp.zeros((1, 2, 4, 8))  # S = 4, H = 8
+        native.decode_attention(jnp.zeros((1, 2, 8)), z[:, :, 0], z[:, :, 0],
+                                z.transpose(0, 1, 3, 2), z,
                                 jnp.ones((1, 4), jnp.int32), 4).__getitem__(0).block_until_ready()
 
 

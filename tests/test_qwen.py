@@ -90,7 +90,8 @@ def test_cached_decoding_equals_full_forward(model, dtype):
                                cache, a, jnp.asarray(slot_mask_BS))
         out.append(np.asarray(logits))
     got_BTV = np.concatenate(out, axis=1)
-    assert cache.k_BKSH[0].dtype == dtype and cache.k_BKSH[0].shape == (B, 2, S, 16)
+    assert cache.k_BKHS[0].dtype == dtype and cache.k_BKHS[0].shape == (B, 2, 16, S)
+    assert cache.v_BKSH[0].dtype == dtype and cache.v_BKSH[0].shape == (B, 2, S, 16)
     atol = 1e-5 if dtype == jnp.float32 else 0.05 * np.abs(ref_BTV).max()
     np.testing.assert_allclose(got_BTV[full_mask_BT == 1], ref_BTV[full_mask_BT == 1], atol=atol)
 

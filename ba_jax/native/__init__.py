@@ -73,9 +73,10 @@ def decode_attention_available() -> bool:
     return _register()
 
 
-def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKSH, v_cache_BKSH, mask_BS, index):
+def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index):
     """Writes k/v_new at slot `index`, attends q over the valid slots -> (o_BNH f32, k, v).
 
+    Keys are cached transposed ([B, K, H, S]), values not ([B, K, S, H]), as in `qwen`.
     mask_BS marks real slots (the one written included); slot s is attended iff
     mask_BS[b, s] and s <= index. The caches come back updated (in place under donation).
     """
@@ -83,12 +84,12 @@ def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKSH, v_cache_BKSH, ma
         raise RuntimeError(f"native decode_attention unavailable: build {LIBRARY.name} with "
                            "`python -m ba_jax.native build` (or unset BA_JAX_NO_NATIVE)")
     out = (jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32),
-           jax.ShapeDtypeStruct(k_cache_BKSH.shape, k_cache_BKSH.dtype),
+           jax.ShapeDtypeStruct(k_cache_BKHS.shape, k_cache_BKHS.dtype),
            jax.ShapeDtypeStruct(v_cache_BKSH.shape, v_cache_BKSH.dtype))
     call = jax.ffi.ffi_call(_TARGET, out, input_output_aliases={3: 1, 4: 2})
-    dtype = k_cache_BKSH.dtype
+    dtype = k_cache_BKHS.dtype
     return call(q_BNH.astype(dtype), k_new_BKH.astype(dtype), v_new_BKH.astype(dtype),
-                k_cache_BKSH, v_cache_BKSH, mask_BS.astype(jnp.int32),
+                k_cache_BKHS, v_cache_BKSH, mask_BS.astype(jnp.int32),
                 jnp.asarray(index, jnp.int32))
 
 

@@ -4,14 +4,17 @@
 // per (row, kv head) that the generic dot kernels run at a few GFLOP/s, and a bfloat16
 // dynamic_update_slice of the cache is rewritten through float32 (the whole cache, every
 // step). This kernel writes the new key/value into the cache in place (the cache buffers
-// are aliased input -> output) and attends over the *valid* slots only, reading each slot
-// once for all query heads of its kv group. Numerics follow `qwen.Attention`: products
-// and sums in float32, softmax in float32, probabilities rounded to the cache dtype before
-// the value sum when that dtype is bfloat16.
+// are aliased input -> output) and attends over slots 0..index only, reading each key and
+// value once for all query heads of its kv group. Keys are stored transposed ([H, S] per
+// row and kv head) so that 16 slots' scores are one vector of fused multiply-adds, with no
+// horizontal sums. Numerics follow `qwen.Attention`: products and sums in float32, softmax
+// in float32 (exp by a Cephes polynomial, ~1 ulp), probabilities rounded to the cache dtype
+// before the value sum when that dtype is bfloat16.
 //
 // Operands (B rows, N query heads, K kv heads, S slots, H head dim; D = f32 or bf16):
 //   q [B, N, H] D (after RoPE), k_new [B, K, H] D (after RoPE), v_new [B, K, H] D,
-//   k_cache [B, K, S, H] D, v_cache [B, K, S, H] D, mask [B, S] s32, index [] s32
+//   k_cache [B, K, H, S] D (keys transposed), v_cache [B, K, S, H] D, mask [B, S] s32,
+//   index [] s32
 // Results: out [B, N, H] f32, k_cache, v_cache (aliased to the operands).
 // Slot s of row b is attended iff mask[b, s] != 0 and s <= index; the new key/value are
 // written to slot `index` first. A row with no attended slot averages all S slots
@@ -57,104 +60,194 @@ inline float Load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 Load16(const uint16_t* p) {  // 16 bf16 -> f32: the bits shifted into the high half
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
-// sum_h a[h] * b[h] with float32 products and sums (a already float32).
-template <typename T>
-inline float Dot(const float* a, const T* b, int64_t n) {
-  int64_t h = 0;
-  float s = 0.0f;
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), Load16(b));
-    for (h = 16; h + 16 <= n; h += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + h), Load16(b + h), acc);
-    s = _mm512_reduce_add_ps(acc);
-  }
-#endif
-  for (; h < n; ++h) s += a[h] * Load(b, h);
-  return s;
-}
-
-// acc[h] += p * b[h]
-template <typename T>
-inline void Axpy(float p, const T* b, float* acc, int64_t n) {
-  int64_t h = 0;
-#if defined(__AVX512F__)
-  const __m512 pv = _mm512_set1_ps(p);
-  for (; h + 16 <= n; h += 16) {
-    _mm512_storeu_ps(acc + h, _mm512_fmadd_ps(pv, Load16(b + h), _mm512_loadu_ps(acc + h)));
-  }
-#endif
-  for (; h < n; ++h) acc[h] += p * Load(b, h);
-}
-
 struct Dims {
   int64_t B, N, K, S, H;
 };
 
-// Rows [b0, b1): write slot `index`, then attend. `scratch` holds G*S scores + H floats.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BA_AVX512 1
+
+// Up to 16 values from p (lanes >= n are zero), as float32.
+inline __m512 Load16(const float* p, int64_t n) {
+  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline __m512 Load16(const uint16_t* p, int64_t n) {  // bf16 bits shifted into the high half
+  __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                      : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for 16 lanes (Cephes expf: range reduction by ln 2, degree-6 polynomial); lanes
+// below -87.3 (underflow, and -inf for masked slots) give exactly 0.
+inline __m512 Exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+
+// sc[g, s] = sum_h q[g, h] * kt[h, s] for s < L, 16 slots at a time, GN heads in registers.
+template <int GN, typename T>
+void ScoresBlock(const float* q, const T* kt, float* sc, int64_t H, int64_t S, int64_t L,
+                 int64_t Lp) {
+  for (int64_t s0 = 0; s0 < L; s0 += 16) {
+    const int64_t n = std::min<int64_t>(16, S - s0);
+    __m512 acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; ++h) {
+      const __m512 k = Load16(kt + h * S + s0, n);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * H + h]), k, acc[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(sc + g * Lp + s0, acc[g]);
+  }
+}
+
+// acc[g, h] = sum_{s < L} p[g, s] * v[s, h], 16 columns at a time (H % 16 == 0).
+template <int GN, typename T>
+void ValuesBlock(const float* p, const T* v, float* acc, int64_t H, int64_t L, int64_t Lp) {
+  for (int64_t h0 = 0; h0 < H; h0 += 16) {
+    __m512 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < L; ++s) {
+      const __m512 x = Load16(v + s * H + h0, 16);
+      for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * Lp + s]), x, a[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * H + h0, a[g]);
+  }
+}
+
+#endif
+
+// Scores for all G heads (scalar fallback when AVX-512 is not available).
+template <typename T>
+void Scores(const float* q, const T* kt, float* sc, int64_t G, int64_t H, int64_t S, int64_t L,
+            int64_t Lp) {
+#ifdef BA_AVX512
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) ScoresBlock<4>(q + g * H, kt, sc + g * Lp, H, S, L, Lp);
+  for (; g + 2 <= G; g += 2) ScoresBlock<2>(q + g * H, kt, sc + g * Lp, H, S, L, Lp);
+  for (; g < G; ++g) ScoresBlock<1>(q + g * H, kt, sc + g * Lp, H, S, L, Lp);
+#else
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t s = 0; s < L; ++s) {
+      float dot = 0.0f;
+      for (int64_t h = 0; h < H; ++h) dot += q[g * H + h] * Load(kt, h * S + s);
+      sc[g * Lp + s] = dot;
+    }
+#endif
+}
+
+// acc[g, :] = sum_s p[g, s] * v[s, :] over s < L.
+template <typename T>
+void Values(const float* p, const T* v, float* acc, int64_t G, int64_t H, int64_t L,
+            int64_t Lp) {
+#ifdef BA_AVX512
+  if (H % 16 == 0) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) ValuesBlock<4>(p + g * Lp, v, acc + g * H, H, L, Lp);
+    for (; g + 2 <= G; g += 2) ValuesBlock<2>(p + g * Lp, v, acc + g * H, H, L, Lp);
+    for (; g < G; ++g) ValuesBlock<1>(p + g * Lp, v, acc + g * H, H, L, Lp);
+    return;
+  }
+#endif
+  std::fill(acc, acc + G * H, 0.0f);
+  for (int64_t s = 0; s < L; ++s)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t h = 0; h < H; ++h) acc[g * H + h] += p[g * Lp + s] * Load(v, s * H + h);
+}
+
+// p[s] = exp(p[s] - mx) for s < L -> their sum.
+inline float ExpSub(float* p, int64_t L, float mx) {
+  int64_t s = 0;
+  float sum = 0.0f;
+#ifdef BA_AVX512
+  __m512 total = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(mx);
+  for (; s + 16 <= L; s += 16) {
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(p + s), m));
+    _mm512_storeu_ps(p + s, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (s < L) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (L - s)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, Exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + s), m)));
+    _mm512_mask_storeu_ps(p + s, k, e);
+    total = _mm512_add_ps(total, e);
+    s = L;
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; s < L; ++s) {
+    p[s] = std::exp(p[s] - mx);
+    sum += p[s];
+  }
+  return sum;
+}
+
+// Rows [b0, b1): write slot `index` (keys transposed: [H, S] per row and kv head), then attend.
 template <typename T>
 void AttendRows(const Dims& d, int64_t index, const T* q, const T* k_new, const T* v_new,
-                T* k_cache, T* v_cache, const int32_t* mask, float* out, int64_t b0,
-                int64_t b1, std::vector<float>& scratch) {
+                 T* k_cache, T* v_cache, const int32_t* mask, float* out, int64_t b0,
+                 int64_t b1, std::vector<float>& scratch) {
   const int64_t G = d.N / d.K, S = d.S, H = d.H;
+  const int64_t L = std::min(index + 1, S);       // slots 0..index may be attended
+  const int64_t Lp = (L + 15) / 16 * 16;          // padded to whole 16-slot chunks
   const float scale = 1.0f / std::sqrt(static_cast<float>(H));
-  scratch.resize(G * S + G * H + H);
-  float* scores = scratch.data();
-  float* acc = scores + G * S;
-  float* qf = acc + G * H;  // reused per query head below
-  std::vector<int32_t> slots;
-  slots.reserve(S);
+  scratch.resize(G * H + G * Lp + G * H);
+  float* qf = scratch.data();                      // [G, H] queries in f32
+  float* sc = qf + G * H;                          // [G, Lp] scores, then probabilities
+  float* acc = sc + G * Lp;                        // [G, H] outputs
   for (int64_t b = b0; b < b1; ++b) {
-    slots.clear();
-    for (int64_t s = 0; s <= index && s < S; ++s) {
-      if (mask[b * S + s]) slots.push_back(static_cast<int32_t>(s));
-    }
-    const bool uniform = slots.empty();
-    if (uniform) {
-      for (int64_t s = 0; s < S; ++s) slots.push_back(static_cast<int32_t>(s));
-    }
-    const int64_t L = static_cast<int64_t>(slots.size());
+    const int32_t* m = mask + b * S;
+    bool any = false;
+    for (int64_t s = 0; s < L; ++s) any |= m[s] != 0;
     for (int64_t kh = 0; kh < d.K; ++kh) {
-      T* kc = k_cache + (b * d.K + kh) * S * H;
-      T* vc = v_cache + (b * d.K + kh) * S * H;
-      std::memcpy(kc + index * H, k_new + (b * d.K + kh) * H, H * sizeof(T));
+      T* kc = k_cache + (b * d.K + kh) * H * S;    // [H, S]
+      T* vc = v_cache + (b * d.K + kh) * S * H;    // [S, H]
+      const T* kn = k_new + (b * d.K + kh) * H;
+      for (int64_t h = 0; h < H; ++h) kc[h * S + index] = kn[h];
       std::memcpy(vc + index * H, v_new + (b * d.K + kh) * H, H * sizeof(T));
-      // Scores: one pass over the attended keys for all G query heads of this kv head.
       for (int64_t g = 0; g < G; ++g) {
         const T* qp = q + (b * d.N + kh * G + g) * H;
-        for (int64_t h = 0; h < H; ++h) qf[h] = Load(qp, h);
-        float* sc = scores + g * S;
-        for (int64_t j = 0; j < L; ++j) {
-          const T* kp = kc + static_cast<int64_t>(slots[j]) * H;
-          sc[j] = uniform ? 0.0f : Dot(qf, kp, H) * scale;
+        for (int64_t h = 0; h < H; ++h) qf[g * H + h] = Load(qp, h);
+      }
+      Scores(qf, kc, sc, G, H, S, L, Lp);
+      for (int64_t g = 0; g < G; ++g) {
+        float* p = sc + g * Lp;
+        if (!any) {  // nothing to attend: uniform over all S slots, as the XLA path does
+          continue;
         }
         float mx = -INFINITY;
-        for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sc[j]);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < L; ++j) {
-          sc[j] = std::exp(sc[j] - mx);
-          sum += sc[j];
+        for (int64_t s = 0; s < L; ++s) {
+          p[s] = m[s] ? p[s] * scale : -INFINITY;
+          mx = std::max(mx, p[s]);
         }
+        float sum = ExpSub(p, L, mx);
         const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < L; ++j) {
-          float p = sc[j] * inv;
-          sc[j] = sizeof(T) == 2 ? RoundToBf16(p) : p;
+        for (int64_t s = 0; s < L; ++s) {
+          float v = p[s] * inv;
+          p[s] = sizeof(T) == 2 ? RoundToBf16(v) : v;
         }
       }
-      // Values: one pass over the attended values for all G query heads.
-      std::fill(acc, acc + G * H, 0.0f);
-      for (int64_t j = 0; j < L; ++j) {
-        const T* vp = vc + static_cast<int64_t>(slots[j]) * H;
-        for (int64_t g = 0; g < G; ++g) Axpy(scores[g * S + j], vp, acc + g * H, H);
+      if (any) {
+        Values(sc, vc, acc, G, H, L, Lp);
+      } else {
+        std::fill(acc, acc + G * H, 0.0f);
+        const float u = sizeof(T) == 2 ? RoundToBf16(1.0f / S) : 1.0f / S;
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t h = 0; h < H; ++h) acc[g * H + h] += u * Load(vc + s * H, h);
       }
       for (int64_t g = 0; g < G; ++g) {
         std::memcpy(out + (b * d.N + kh * G + g) * H, acc + g * H, H * sizeof(float));
@@ -211,12 +304,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                            ffi::Buffer<ffi::S32> mask, ffi::Buffer<ffi::S32> index,
                            ffi::Result<ffi::Buffer<ffi::F32>> out,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
-  auto qd = q.dimensions(), cd = k_cache.dimensions();
-  if (qd.size() != 3 || cd.size() != 4) {
-    return ffi::Error::InvalidArgument("decode_attention: q must be [B,N,H], cache [B,K,S,H]");
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "decode_attention: q must be [B,N,H], k_cache [B,K,H,S], v_cache [B,K,S,H]");
   }
-  const Dims d{qd[0], qd[1], cd[1], cd[2], qd[2]};
-  if (cd[0] != d.B || cd[3] != d.H || d.N % d.K != 0 || q.element_type() != k_cache.element_type()) {
+  const Dims d{qd[0], qd[1], vd[1], vd[2], qd[2]};
+  if (kd[0] != d.B || vd[0] != d.B || kd[1] != d.K || kd[2] != d.H || kd[3] != d.S ||
+      vd[3] != d.H || d.N % d.K != 0 || q.element_type() != k_cache.element_type()) {
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes or dtypes");
   }
   const int64_t idx = index.typed_data()[0];
