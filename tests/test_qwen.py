@@ -96,24 +96,35 @@ def test_cached_decoding_equals_full_forward(model, dtype):
     np.testing.assert_allclose(got_BTV[full_mask_BT == 1], ref_BTV[full_mask_BT == 1], atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("x_shape, w_shape, w_axes", [
     ((2, 3, 5), (5, 4, 6), (0,)),     # q_proj-like
     ((2, 3, 4, 6), (4, 6, 5), (0, 1)),  # o_proj-like
     ((2, 3, 5), (7, 5), (1,)),         # tied embedding as output projection
+    ((2, 3, 5), (4, 5, 6), (1,)),      # contracted axis in the middle (generic path)
+    ((4, 64, 48), (48, 40), (0,)),     # large enough for XLA:CPU's library dots
+    ((4, 64, 48), (96, 48), (1,)),
 ])
-def test_mm_custom_backward_matches_autodiff(x_shape, w_shape, w_axes):
+def test_mm_custom_backward_matches_autodiff(x_shape, w_shape, w_axes, dtype):
+    # bf16: the custom backward (bf16 x bf16 -> f32 dots, on CPU through a materialised
+    # transpose) against float32 autodiff of the same bf16-rounded inputs
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
-    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    x, w = jax.random.normal(kx, x_shape, dtype), jax.random.normal(kw, w_shape, dtype)
     n = len(w_axes)
     ref = lambda x, w: jnp.tensordot(x, w, (list(range(x.ndim - n, x.ndim)), list(w_axes)))
-    y = qwen._mm(x, w, w_axes)
-    g = jax.random.normal(kg, y.shape)
-    np.testing.assert_allclose(y, ref(x, w), rtol=1e-5, atol=1e-5)
-    got = jax.vjp(lambda x, w: qwen._mm(x, w, w_axes), x, w)[1](g)
-    want = jax.vjp(ref, x, w)[1](g)
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    y = jax.jit(qwen._mm, static_argnums=2)(x, w, w_axes)
+    assert y.dtype == jnp.float32
+    g = jax.random.normal(kg, y.shape).astype(dtype).astype(jnp.float32)
+    np.testing.assert_allclose(y, ref(x32, w32), rtol=1e-5, atol=1e-5)
+    got = jax.jit(lambda x, w, g: jax.vjp(lambda x, w: qwen._mm(x, w, w_axes), x, w)[1](g))(
+        x, w, g)
+    want = jax.vjp(ref, x32, w32)[1](g)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: the gradients are rounded to bf16
     for a, b in zip(got, want):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert a.shape == b.shape and a.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=tol,
+                                   atol=tol * np.abs(b).max())
 
 
 def test_remat_same_gradients(model):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -167,6 +168,46 @@ def _mm_fwd(x, w, w_axes):
     return _mm(x, w, w_axes), (x, w)
 
 
+def _rowmajor_transpose(a_NK: jax.Array) -> jax.Array:
+    """a.T [K, N] as a fresh row-major array that XLA cannot fold back into its consumer.
+
+    XLA:CPU runs a bf16 x bf16 -> f32 dot on its fast library (YNNPACK) path only when the
+    left operand contracts its minor dimension. A weight gradient x^T g contracts the token
+    dimension, the major one of both operands; written plainly, XLA upcasts that dot to
+    float32 and runs it 3-5x slower. The product with an opaque scalar one takes the scalar's
+    row-major layout (a bare transpose keeps a column-major one), and the barrier keeps the
+    algebraic simplifier from folding the transpose into the dot again.
+    """
+    one = lax.optimization_barrier(jnp.ones((), a_NK.dtype))
+    return lax.optimization_barrier(one * a_NK.T)
+
+
+def _weight_grad(x, g, w_axes, w_ndim):
+    """dL/dw of x . w (contracting x's trailing dims with w's `w_axes`), float32."""
+    n_free = x.ndim - len(w_axes)
+    lead = tuple(range(n_free))
+    w_free = tuple(a for a in range(w_ndim) if a not in w_axes)
+    in_shape, out_shape = x.shape[n_free:], g.shape[n_free:]
+    if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
+        n = math.prod(x.shape[:n_free])
+        x_NI = x.reshape(n, -1)
+        g_NO = g.reshape(n, -1)
+        if w_axes == tuple(range(len(w_axes))):  # w = [in..., out...]
+            dw = jnp.dot(_rowmajor_transpose(x_NI), g_NO, preferred_element_type=jnp.float32)
+            return dw.reshape(*in_shape, *out_shape)
+        if w_free + w_axes == tuple(range(w_ndim)):  # w = [out..., in...] (tied embedding)
+            # Transposing the small x and then the [in, out] result is several times faster
+            # than transposing g (the [tokens, vocab] logits gradient) on XLA:CPU.
+            dw_IO = jnp.dot(_rowmajor_transpose(x_NI), g_NO, preferred_element_type=jnp.float32)
+            return lax.optimization_barrier(dw_IO).T.reshape(*out_shape, *in_shape)
+    if w_free + w_axes == tuple(range(w_ndim)):
+        # w = [out, in]: produce that order directly; the transposed form hits XLA CPU's
+        # generic DotThunk, which rejects bf16 x bf16 -> f32
+        return lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.transpose(dw, np.argsort(w_axes + w_free))
+
+
 def _mm_bwd(w_axes, res, g):
     x, w = res
     g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
@@ -174,14 +215,7 @@ def _mm_bwd(w_axes, res, g):
     w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
     g_wdims = tuple(range(n_free, g.ndim))
     dx = lax.dot_general(g, w, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
-    lead = tuple(range(n_free))
-    if w_free + w_axes == tuple(range(w.ndim)):
-        # w = [out, in] (tied embedding): produce that order directly; the transposed form
-        # hits XLA CPU's generic DotThunk, which rejects bf16 x bf16 -> f32
-        dw = lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-    else:
-        dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-        dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
+    dw = _weight_grad(x, g, w_axes, w.ndim)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
