@@ -127,6 +127,29 @@ def test_mm_custom_backward_matches_autodiff(x_shape, w_shape, w_axes, dtype):
                                    atol=tol * np.abs(b).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_self_attention_custom_backward_matches_autodiff(dtype):
+    # causal mask plus a left-padded row, whose padding queries see no valid key at all
+    B, K, G, T, H = 2, 2, 3, 9, 8
+    kq, kk, kv, kg = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(kq, (B, K, G, T, H), dtype)
+    k, v = (jax.random.normal(r, (B, K, T, H), dtype) for r in (kk, kv))
+    do = jax.random.normal(kg, (B, K, G, T, H), dtype)
+    valid_BT = jnp.arange(T)[None, :] >= jnp.array([[0], [4]])
+    mask_BTS = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BT[:, None, :]
+    spec = "BKGTH,BKSH->BKGTS"
+    got = jax.jit(jax.vjp, static_argnums=0)(
+        lambda q, k, v: qwen._self_attention(q, k, v, mask_BTS), q, k, v)
+    want = jax.vjp(lambda q, k, v: qwen._attend(q, k, v, mask_BTS, spec)[0],
+                   *(a.astype(jnp.float32) for a in (q, k, v)))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), want[0], atol=tol)
+    grads = got[1](do)
+    for a, b in zip(grads, want[1](do.astype(jnp.float32))):
+        assert a.dtype == dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=tol * np.abs(b).max())
+
+
 def test_remat_same_gradients(model):
     tokens = _tokens((2, 6), seed=5)
     remat = qwen.Qwen(dataclasses.replace(TINY, use_remat=True), rngs=nnx.Rngs(0))
