@@ -158,10 +158,15 @@ PRESETS: dict[str, ModelConfig] = {
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...]) -> jax.Array:
-    """Contracts x's trailing len(w_axes) dims with w's `w_axes`; float32 result."""
+    """Contracts x's trailing len(w_axes) dims with w's `w_axes`; float32 result.
+
+    w (the parameter, in its own dtype) is cast to x's compute dtype inside, so that its
+    gradient leaves the float32 accumulator in the parameter's dtype, with no bf16 rounding
+    and no convert pair in between.
+    """
     n = len(w_axes)
     dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
-    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    return lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
 
 
 def _mm_fwd(x, w, w_axes):
@@ -211,10 +216,11 @@ def _weight_grad(x, g, w_axes, w_ndim):
 def _mm_bwd(w_axes, res, g):
     x, w = res
     g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
+    w_c = w.astype(x.dtype)
     n_free = x.ndim - len(w_axes)
     w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
     g_wdims = tuple(range(n_free, g.ndim))
-    dx = lax.dot_general(g, w, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
+    dx = lax.dot_general(g, w_c, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
     dw = _weight_grad(x, g, w_axes, w.ndim)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
@@ -233,7 +239,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _mm(x.astype(self.dtype), self.kernel[...].astype(self.dtype), tuple(range(self.n_in)))
+        y = _mm(x.astype(self.dtype), self.kernel[...], tuple(range(self.n_in)))
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
@@ -258,7 +264,9 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return x32.astype(self.dtype) * self.scale[...].astype(self.dtype)
+        # Scaled in float32, rounded once: the scale's gradient is then a float32 sum over
+        # tokens (a bf16 one becomes a slow reduce-window on XLA:CPU).
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
 def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
@@ -465,9 +473,8 @@ class Qwen(nnx.Module):
     def _logits(self, x_BTD):
         x_BTD = self.norm(x_BTD)
         if self.lm_head is None:
-            emb_VD = self.embed_tokens.embedding[...].astype(self.dtype)
-            return _mm(x_BTD, emb_VD, (1,))
-        return _mm(x_BTD, self.lm_head.kernel[...].astype(self.dtype), (0,))
+            return _mm(x_BTD, self.embed_tokens.embedding[...], (1,))
+        return _mm(x_BTD, self.lm_head.kernel[...], (0,))
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  attn_mask_BT: jax.Array | None = None) -> jax.Array:
