@@ -185,7 +185,7 @@ class SamplingState:
     sampling_logp_BM: jax.Array  # float32 [B, M]: log-prob under the sampling distribution
     mask_BM: jax.Array  # bool [B, M]: token was generated before the row finished (EOS included)
     done_B: jax.Array  # bool [B]: row has emitted an EOS id
-    cache: Any  # the model's KV cache, B rows of Tp + M slots
+    cache: Any  # the rows' KV cache: B x (Tp + M) slots, or B x M next to a shared prompt cache
 
 
 def _write(st: SamplingState, token_B, logp_B, slogp_B, eos_E, pad_id) -> SamplingState:
@@ -250,16 +250,24 @@ def rollout_arrays(
     axes = _cache_batch_axes(model.config, model.dtype)
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
     positions_PT = jnp.maximum(jnp.cumsum(pmask_PT, 1) - 1, 0)
-    slots_PS = jnp.concatenate([pmask_PT, jnp.zeros((P, M), jnp.int32)], 1)
-    cache = qwen.init_cache(model.config, P, Tp + M, model.dtype)
+    # The native kernel reads each prompt's keys/values once for its G rows, from a cache of
+    # P prompts x Tp slots next to the rows' own B x M; the XLA path gives each row a copy
+    # of its prompt in a B x (Tp + M) cache.
+    prompt_slots = Tp if use_native else Tp + M
+    slots_PS = jnp.concatenate([pmask_PT, jnp.zeros((P, prompt_slots - Tp), jnp.int32)], 1)
+    cache = qwen.init_cache(model.config, P, prompt_slots, model.dtype)
     cache = jax.tree.map(lambda c, a: _rows_constraint(c, a, mesh), cache, axes)
     # Prefill the P prompts once; the last prompt token alone gives the logits we need.
     _, cache = model.decode(prompt_PT[:, :-1], positions_PT[:, :-1], cache, 0, slots_PS)
     logits_P1V, cache = model.decode(prompt_PT[:, -1:], positions_PT[:, -1:], cache, Tp - 1,
                                      slots_PS)
-    # Share each prompt's cache with its G samples: one repeat along the batch axis.
-    cache = jax.tree.map(lambda c, a: _rows_constraint(jnp.repeat(c, G, axis=a), a, mesh),
-                         cache, axes)
+    if use_native:
+        decode_kw = dict(use_native=True, prompt=(cache, pmask_PT))
+        cache, first_slot = qwen.init_cache(model.config, B, M, model.dtype), 0
+    else:  # share each prompt's cache with its G samples: one repeat along the batch axis
+        cache = jax.tree.map(lambda c, a: _rows_constraint(jnp.repeat(c, G, axis=a), a, mesh),
+                             cache, axes)
+        decode_kw, first_slot = {}, Tp  # other models need not know the native arguments
     pmask_BT = jnp.repeat(pmask_PT, G, axis=0)
     len_B = jnp.sum(pmask_BT, 1)
     logits_BV = _rows_constraint(jnp.repeat(logits_P1V[:, 0], G, axis=0), 0, mesh)
@@ -278,15 +286,13 @@ def rollout_arrays(
     def cond(st: SamplingState) -> jax.Array:
         return (st.step < M) & ~jnp.all(st.done_B)
 
-    native_kw = dict(use_native=True) if use_native else {}  # other models need not know it
-
     def body(st: SamplingState) -> SamplingState:
-        t = st.step  # decode token t-1 (slot Tp+t-1), then sample token t
+        t = st.step  # decode token t-1 (slot first_slot+t-1), then sample token t
         token_B1 = lax.dynamic_slice_in_dim(st.tokens_BM, t - 1, 1, axis=1)
         gen_BM = jnp.broadcast_to(jnp.arange(M)[None] < t, (B, M)).astype(jnp.int32)
-        slots_BS = jnp.concatenate([pmask_BT, gen_BM], 1)
+        slots_BS = gen_BM if use_native else jnp.concatenate([pmask_BT, gen_BM], 1)
         logits_B1V, cache = model.decode(token_B1, (len_B + t - 1)[:, None], st.cache,
-                                         Tp + t - 1, slots_BS, **native_kw)
+                                         first_slot + t - 1, slots_BS, **decode_kw)
         sample = sample_logits(logits_B1V[:, 0], jax.random.fold_in(key, t), config)
         return _write(st.replace(cache=cache), *sample, eos_E, pad_id)
 

@@ -65,6 +65,42 @@ def test_kernel_matches_xla(dtype, N, K, H, S, index):
     np.testing.assert_allclose(got[0], want[0], atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("P, Gs, Tp, S, index", [
+    (2, 3, 5, 21, 13),   # prompt segment not a whole 16-slot chunk
+    (3, 2, 32, 40, 0),   # whole chunks; only the slot being written of the row's own cache
+])
+def test_shared_prompt_segment_matches_one_concatenated_cache(dtype, P, Gs, Tp, S, index):
+    # rows of one prompt share its keys/values: the same as each row holding a copy of the
+    # prompt in front of its own cache (Tp + S slots, written at Tp + index)
+    B, N, K, H = P * Gs, 6, 2, 32
+    rng = np.random.default_rng(1)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    q, kn, vn = arr(B, N, H), arr(B, K, H), arr(B, K, H)
+    kc, vc = arr(B, K, H, S), arr(B, K, S, H)
+    kp, vp = arr(P, K, H, Tp), arr(P, K, Tp, H)
+    pmask = rng.random((P, Tp)) < 0.7
+    pmask[1] = False  # a prompt with no valid slot: its rows attend their own slots only
+    mask = rng.random((B, S)) < 0.6
+    mask[:, index] = True
+    mask[0] = False  # its prompt's slots are all it sees
+    if index == 0:
+        mask[Gs] = False  # prompt 1 row 0: no slot at all -> uniform over all Tp + S slots
+    mask = jnp.asarray(mask, jnp.int32)
+    pmask = jnp.asarray(pmask, jnp.int32)
+    rep = lambda x: jnp.repeat(x, Gs, axis=0)  # noqa: E731
+    want = jax.jit(_xla_reference)(
+        q, kn, vn, jnp.concatenate([rep(kp), kc], 3), jnp.concatenate([rep(vp), vc], 2),
+        jnp.concatenate([rep(pmask), mask], 1), Tp + index)
+    got = jax.jit(native.decode_attention)(q, kn, vn, kc, vc, mask, index, (kp, vp, pmask))
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32),
+                                  np.asarray(want[1][..., Tp:], np.float32))
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32),
+                                  np.asarray(want[2][:, :, Tp:], np.float32))
+    atol = 2e-6 if dtype == jnp.float32 else 1e-5
+    np.testing.assert_allclose(got[0], want[0], atol=atol, rtol=0)
+
+
 def test_cache_updated_in_place_under_donation():
     B, N, K, S, H = 4, 4, 2, 16, 32
     f = jax.jit(native.decode_attention, donate_argnums=(3, 4))

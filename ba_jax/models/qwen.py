@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from ba_jax import native
+from ba_jax import native as native_kernels
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform, not NaN, row
 
@@ -366,7 +366,8 @@ class Attention(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None,
-                 native_slots_BS=None):
+                 native=None):
+        """`native` = (slots_BS, prompt or None): one cached token through the CPU kernel."""
         B, T, _ = x_BTD.shape
         q_BTNH = self.q_proj(x_BTD)
         k_BTKH = self.k_proj(x_BTD)
@@ -374,10 +375,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         q_BTNH = _rope(q_BTNH, sin_BTH, cos_BTH)
-        if native_slots_BS is not None:  # one cached token through the CPU kernel
-            o_BNH, k_BKHS, v_BKSH = native.decode_attention(
+        if native is not None:  # one cached token through the CPU kernel
+            slots_BS, prompt = native
+            o_BNH, k_BKHS, v_BKSH = native_kernels.decode_attention(
                 q_BTNH[:, 0], _rope(k_BTKH, sin_BTH, cos_BTH)[:, 0], v_BTKH[:, 0], kv[0], kv[1],
-                native_slots_BS, cache_index)
+                slots_BS, cache_index, prompt)
             return self.o_proj(o_BNH[:, None].astype(self.dtype)), (k_BKHS, v_BKSH)
         k_BKTH = _rope(k_BTKH, sin_BTH, cos_BTH).transpose(0, 2, 1, 3)
         v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
@@ -424,9 +426,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **nkw)
 
     def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None,
-                 native_slots_BS=None):
+                 native=None):
         h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, mask_BTS,
-                                   kv, cache_index, native_slots_BS)
+                                   kv, cache_index, native)
         x_BTD = x_BTD + h_BTD
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)), kv
 
@@ -495,17 +497,23 @@ class Qwen(nnx.Module):
 
     def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
                cache_index: jax.Array | int, attn_mask_BS: jax.Array, *,
-               use_native: bool = False) -> tuple[jax.Array, KVCache]:
+               use_native: bool = False,
+               prompt: tuple[KVCache, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
         """Writes T tokens at `cache_index` and attends over the cache -> (logits_BTV, cache).
 
         `use_native` (T == 1 only; the caller checks `native.decode_attention_available()`
         and that the arrays are not sharded) runs each layer's attention and cache write
         through the CPU kernel of `ba_jax.native` instead of XLA; same results.
+        `prompt` = (prompt_cache, mask_PT) (with `use_native` only): a cache of P prompts
+        shared by the B // P contiguous rows of each, attended before `cache`'s own slots,
+        as if every row held a copy of its prompt in front of them.
         """
         T = tokens_BT.shape[1]
         if use_native and T != 1:
             raise ValueError(f"use_native decodes one token at a time, got T={T}")
-        native_slots_BS = attn_mask_BS if use_native else None
+        if prompt is not None and not use_native:
+            raise ValueError("a shared prompt cache needs use_native=True")
+        pcache, pmask_PT = prompt if prompt is not None else (None, None)
         S = cache.v_BKSH[0].shape[2]
         sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
                                         self.config.rope_theta)
@@ -514,9 +522,11 @@ class Qwen(nnx.Module):
         mask_BTS = causal_TS[None] & attn_mask_BS.astype(bool)[:, None, :]
         x_BTD = self._embed(tokens_BT)
         ks, vs = [], []
-        for layer, k, v in zip(self.layers, cache.k_BKHS, cache.v_BKSH):
+        for i, (layer, k, v) in enumerate(zip(self.layers, cache.k_BKHS, cache.v_BKSH)):
+            shared = (pcache.k_BKHS[i], pcache.v_BKSH[i], pmask_PT) if pcache else None
+            native = (attn_mask_BS, shared) if use_native else None
             x_BTD, (k, v) = layer(x_BTD, sin_BTH, cos_BTH, mask_BTS, (k, v), cache_index,
-                                  native_slots_BS)
+                                  native)
             ks.append(k)
             vs.append(v)
         return self._logits(x_BTD), KVCache(k_BKHS=ks, v_BKSH=vs)

@@ -2,7 +2,8 @@
 
 Lives here: building (`python -m ba_jax.native build`, run by `make`), loading and
 registering the kernels, and their Python call wrappers. Today one kernel:
-`decode_attention`, the one-token cached attention of `Qwen.decode` on CPU (see
+`decode_attention`, the one-token cached attention of `Qwen.decode` on CPU, optionally
+with a prompt segment shared by the samples of each prompt (see
 decode_attention.cc for why XLA:CPU needs it). Nothing else depends on it: when the shared
 library is missing (no C++ compiler) or the backend is not the CPU, callers use the XLA
 path, which computes the same thing.
@@ -31,6 +32,7 @@ _HERE = Path(__file__).resolve().parent
 SOURCE = _HERE / "decode_attention.cc"
 LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
+_TARGET_SHARED = "ba_decode_attention_shared"
 _DISABLE_ENV = "BA_JAX_NO_NATIVE"  # set to 1 to force the XLA path (tests compare both)
 
 
@@ -60,6 +62,9 @@ def _register() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BaDecodeAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(_TARGET_SHARED,
+                                    jax.ffi.pycapsule(lib.BaDecodeAttentionShared),
+                                    platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
         log.warning("native kernels unavailable (%s); using the XLA path", err)
         return False
@@ -73,12 +78,17 @@ def decode_attention_available() -> bool:
     return _register()
 
 
-def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index):
+def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index,
+                     prompt=None):
     """Writes k/v_new at slot `index`, attends q over the valid slots -> (o_BNH f32, k, v).
 
     Keys are cached transposed ([B, K, H, S]), values not ([B, K, S, H]), as in `qwen`.
     mask_BS marks real slots (the one written included); slot s is attended iff
     mask_BS[b, s] and s <= index. The caches come back updated (in place under donation).
+
+    `prompt` = (k_PKHT, v_PKTH, mask_PT): a segment shared by the B // P contiguous rows of
+    each prompt (row b uses prompt b // (B // P)), attended before the row's own slots, in
+    one softmax with them: the same as a cache of T + S slots holding the prompt first.
     """
     if not _register():
         raise RuntimeError(f"native decode_attention unavailable: build {LIBRARY.name} with "
@@ -86,11 +96,16 @@ def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, ma
     out = (jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32),
            jax.ShapeDtypeStruct(k_cache_BKHS.shape, k_cache_BKHS.dtype),
            jax.ShapeDtypeStruct(v_cache_BKSH.shape, v_cache_BKSH.dtype))
-    call = jax.ffi.ffi_call(_TARGET, out, input_output_aliases={3: 1, 4: 2})
     dtype = k_cache_BKHS.dtype
-    return call(q_BNH.astype(dtype), k_new_BKH.astype(dtype), v_new_BKH.astype(dtype),
-                k_cache_BKHS, v_cache_BKSH, mask_BS.astype(jnp.int32),
-                jnp.asarray(index, jnp.int32))
+    args = (q_BNH.astype(dtype), k_new_BKH.astype(dtype), v_new_BKH.astype(dtype),
+            k_cache_BKHS, v_cache_BKSH, mask_BS.astype(jnp.int32), jnp.asarray(index, jnp.int32))
+    if prompt is None:
+        return jax.ffi.ffi_call(_TARGET, out, input_output_aliases={3: 1, 4: 2})(*args)
+    k_PKHT, v_PKTH, mask_PT = prompt
+    if q_BNH.shape[0] % k_PKHT.shape[0]:
+        raise ValueError(f"{q_BNH.shape[0]} rows do not split into {k_PKHT.shape[0]} prompts")
+    call = jax.ffi.ffi_call(_TARGET_SHARED, out, input_output_aliases={3: 1, 4: 2})
+    return call(*args, k_PKHT.astype(dtype), v_PKTH.astype(dtype), mask_PT.astype(jnp.int32))
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,13 @@
 // Slot s of row b is attended iff mask[b, s] != 0 and s <= index; the new key/value are
 // written to slot `index` first. A row with no attended slot averages all S slots
 // uniformly (the -1e30 masking of the XLA path gives the same).
+//
+// BaDecodeAttentionShared takes three more operands, a prompt segment shared by groups of
+// rows: k_prompt [P, K, H, Tp] D, v_prompt [P, K, Tp, H] D, prompt_mask [P, Tp] s32, with
+// B = P * G' (rows b of one prompt are contiguous: prompt b / G'). Row b attends over its
+// prompt's unmasked slots followed by its own cache slots as above: the softmax runs over
+// both segments at once, as over one cache of Tp + S slots (the uniform fallback too). The
+// G' samples of a prompt read one copy of its keys and values instead of G'.
 
 #include <algorithm>
 #include <atomic>
@@ -195,26 +202,45 @@ inline float ExpSub(float* p, int64_t L, float mx) {
   return sum;
 }
 
-// Rows [b0, b1): write slot `index` (keys transposed: [H, S] per row and kv head), then attend.
+// The prompt segment of BaDecodeAttentionShared (k == nullptr: none).
+template <typename T>
+struct PromptSegment {
+  const T* k = nullptr;      // [P, K, H, Tp]
+  const T* v = nullptr;      // [P, K, Tp, H]
+  const int32_t* mask = nullptr;  // [P, Tp]
+  int64_t P = 0, Tp = 0;
+};
+
+// Rows [b0, b1): write slot `index` (keys transposed: [H, S] per row and kv head), then attend
+// over the prompt segment (if any) and slots 0..index.
 template <typename T>
 void AttendRows(const Dims& d, int64_t index, const T* q, const T* k_new, const T* v_new,
-                 T* k_cache, T* v_cache, const int32_t* mask, float* out, int64_t b0,
-                 int64_t b1, std::vector<float>& scratch) {
+                T* k_cache, T* v_cache, const int32_t* mask, const PromptSegment<T>& pr,
+                float* out, int64_t b0, int64_t b1, std::vector<float>& scratch) {
   const int64_t G = d.N / d.K, S = d.S, H = d.H;
-  const int64_t L = std::min(index + 1, S);       // slots 0..index may be attended
-  const int64_t Lp = (L + 15) / 16 * 16;          // padded to whole 16-slot chunks
+  const int64_t Tp = pr.k ? pr.Tp : 0;
+  const int64_t off = (Tp + 15) / 16 * 16;          // cache slots start at a whole chunk
+  const int64_t L = std::min(index + 1, S);       // cache slots 0..index may be attended
+  const int64_t Lp = off + (L + 15) / 16 * 16;    // [prompt | gap | cache], 16-slot chunks
+  const int64_t rows_per_prompt = pr.k ? d.B / pr.P : 1;
   const float scale = 1.0f / std::sqrt(static_cast<float>(H));
-  scratch.resize(G * H + G * Lp + G * H);
+  scratch.resize(G * H + G * Lp + 2 * G * H);
   float* qf = scratch.data();                      // [G, H] queries in f32
   float* sc = qf + G * H;                          // [G, Lp] scores, then probabilities
   float* acc = sc + G * Lp;                        // [G, H] outputs
+  float* acc2 = acc + G * H;                       // [G, H] the cache segment's part
   for (int64_t b = b0; b < b1; ++b) {
     const int32_t* m = mask + b * S;
+    const int64_t pb = b / rows_per_prompt;
+    const int32_t* pm = pr.k ? pr.mask + pb * Tp : nullptr;
     bool any = false;
     for (int64_t s = 0; s < L; ++s) any |= m[s] != 0;
+    for (int64_t s = 0; s < Tp; ++s) any |= pm[s] != 0;
     for (int64_t kh = 0; kh < d.K; ++kh) {
       T* kc = k_cache + (b * d.K + kh) * H * S;    // [H, S]
       T* vc = v_cache + (b * d.K + kh) * S * H;    // [S, H]
+      const T* kp = pr.k ? pr.k + (pb * d.K + kh) * H * Tp : nullptr;  // [H, Tp]
+      const T* vp = pr.k ? pr.v + (pb * d.K + kh) * Tp * H : nullptr;  // [Tp, H]
       const T* kn = k_new + (b * d.K + kh) * H;
       for (int64_t h = 0; h < H; ++h) kc[h * S + index] = kn[h];
       std::memcpy(vc + index * H, v_new + (b * d.K + kh) * H, H * sizeof(T));
@@ -222,32 +248,45 @@ void AttendRows(const Dims& d, int64_t index, const T* q, const T* k_new, const 
         const T* qp = q + (b * d.N + kh * G + g) * H;
         for (int64_t h = 0; h < H; ++h) qf[g * H + h] = Load(qp, h);
       }
-      Scores(qf, kc, sc, G, H, S, L, Lp);
+      if (Tp) Scores(qf, kp, sc, G, H, Tp, Tp, Lp);
+      Scores(qf, kc, sc + off, G, H, S, L, Lp);
       for (int64_t g = 0; g < G; ++g) {
         float* p = sc + g * Lp;
-        if (!any) {  // nothing to attend: uniform over all S slots, as the XLA path does
+        if (!any) {  // nothing to attend: uniform over all slots, as the XLA path does
           continue;
         }
         float mx = -INFINITY;
-        for (int64_t s = 0; s < L; ++s) {
-          p[s] = m[s] ? p[s] * scale : -INFINITY;
+        for (int64_t s = 0; s < off; ++s) {
+          p[s] = s < Tp && pm[s] ? p[s] * scale : -INFINITY;
           mx = std::max(mx, p[s]);
         }
-        float sum = ExpSub(p, L, mx);
-        const float inv = 1.0f / sum;
         for (int64_t s = 0; s < L; ++s) {
+          p[off + s] = m[s] ? p[off + s] * scale : -INFINITY;
+          mx = std::max(mx, p[off + s]);
+        }
+        const int64_t n = off + L;
+        float sum = ExpSub(p, n, mx);
+        const float inv = 1.0f / sum;
+        for (int64_t s = 0; s < n; ++s) {
           float v = p[s] * inv;
           p[s] = sizeof(T) == 2 ? RoundToBf16(v) : v;
         }
       }
       if (any) {
-        Values(sc, vc, acc, G, H, L, Lp);
+        Values(sc + off, vc, acc, G, H, L, Lp);
+        if (Tp) {
+          Values(sc, vp, acc2, G, H, Tp, Lp);
+          for (int64_t i = 0; i < G * H; ++i) acc[i] += acc2[i];
+        }
       } else {
         std::fill(acc, acc + G * H, 0.0f);
-        const float u = sizeof(T) == 2 ? RoundToBf16(1.0f / S) : 1.0f / S;
+        const float u = sizeof(T) == 2 ? RoundToBf16(1.0f / (S + Tp)) : 1.0f / (S + Tp);
         for (int64_t s = 0; s < S; ++s)
           for (int64_t g = 0; g < G; ++g)
             for (int64_t h = 0; h < H; ++h) acc[g * H + h] += u * Load(vc + s * H, h);
+        for (int64_t s = 0; s < Tp; ++s)
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t h = 0; h < H; ++h) acc[g * H + h] += u * Load(vp + s * H, h);
       }
       for (int64_t g = 0; g < G; ++g) {
         std::memcpy(out + (b * d.N + kh * G + g) * H, acc + g * H, H * sizeof(float));
@@ -269,7 +308,7 @@ struct Shared {
 template <typename T>
 ffi::Error Run(ffi::ThreadPool pool, const Dims& d, int64_t index, const T* q,
                const T* k_new, const T* v_new, T* k_cache, T* v_cache, const int32_t* mask,
-               float* out) {
+               const PromptSegment<T>& pr, float* out) {
   const int64_t block = 4;
   const int64_t nblocks = (d.B + block - 1) / block;
   auto shared = std::make_shared<Shared>();
@@ -277,7 +316,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Dims& d, int64_t index, const T* q,
     for (;;) {
       const int64_t i = shared->next.fetch_add(1);
       if (i >= nblocks) return;
-      AttendRows(d, index, q, k_new, v_new, k_cache, v_cache, mask, out, i * block,
+      AttendRows(d, index, q, k_new, v_new, k_cache, v_cache, mask, pr, out, i * block,
                  std::min(d.B, (i + 1) * block), scratch);
       if (shared->done.fetch_add(1) + 1 == nblocks) {
         std::lock_guard<std::mutex> lock(shared->mu);
@@ -299,11 +338,13 @@ ffi::Error Run(ffi::ThreadPool pool, const Dims& d, int64_t index, const T* q,
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_new,
-                           ffi::AnyBuffer v_new, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                           ffi::Buffer<ffi::S32> mask, ffi::Buffer<ffi::S32> index,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out,
-                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+// Shared by both handlers; prompt_k == nullptr: no prompt segment.
+ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_new,
+                    ffi::AnyBuffer v_new, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                    ffi::Buffer<ffi::S32> mask, ffi::Buffer<ffi::S32> index,
+                    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::AnyBuffer> k_out,
+                    ffi::Result<ffi::AnyBuffer> v_out, const ffi::AnyBuffer* prompt_k,
+                    const ffi::AnyBuffer* prompt_v, const ffi::Buffer<ffi::S32>* prompt_mask) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4) {
     return ffi::Error::InvalidArgument(
@@ -313,6 +354,24 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   if (kd[0] != d.B || vd[0] != d.B || kd[1] != d.K || kd[2] != d.H || kd[3] != d.S ||
       vd[3] != d.H || d.N % d.K != 0 || q.element_type() != k_cache.element_type()) {
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes or dtypes");
+  }
+  int64_t P = 0, Tp = 0;
+  if (prompt_k) {
+    auto pk = prompt_k->dimensions(), pv = prompt_v->dimensions(),
+         pm = prompt_mask->dimensions();
+    if (pk.size() != 4 || pv.size() != 4 || pm.size() != 2) {
+      return ffi::Error::InvalidArgument(
+          "decode_attention: k_prompt must be [P,K,H,Tp], v_prompt [P,K,Tp,H], mask [P,Tp]");
+    }
+    P = pk[0];
+    Tp = pk[3];
+    if (P <= 0 || d.B % P != 0 || pk[1] != d.K || pk[2] != d.H || pv[0] != P ||
+        pv[1] != d.K || pv[2] != Tp || pv[3] != d.H || pm[0] != P || pm[1] != Tp ||
+        prompt_k->element_type() != q.element_type() ||
+        prompt_v->element_type() != q.element_type()) {
+      return ffi::Error::InvalidArgument(
+          "decode_attention: prompt segment shapes or dtypes do not match the rows");
+    }
   }
   const int64_t idx = index.typed_data()[0];
   if (idx < 0 || idx >= d.S) {
@@ -327,21 +386,56 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
     std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), cache_bytes);
   }
   switch (q.element_type()) {
-    case ffi::F32:
+    case ffi::F32: {
+      PromptSegment<float> pr;
+      if (prompt_k) {
+        pr = {reinterpret_cast<const float*>(prompt_k->untyped_data()),
+              reinterpret_cast<const float*>(prompt_v->untyped_data()),
+              prompt_mask->typed_data(), P, Tp};
+      }
       return Run<float>(pool, d, idx, q.typed_data<float>(), k_new.typed_data<float>(),
                         v_new.typed_data<float>(), k_out->typed_data<float>(),
-                        v_out->typed_data<float>(), mask.typed_data(), out->typed_data());
-    case ffi::BF16:
+                        v_out->typed_data<float>(), mask.typed_data(), pr, out->typed_data());
+    }
+    case ffi::BF16: {
+      PromptSegment<uint16_t> pr;
+      if (prompt_k) {
+        pr = {reinterpret_cast<const uint16_t*>(prompt_k->untyped_data()),
+              reinterpret_cast<const uint16_t*>(prompt_v->untyped_data()),
+              prompt_mask->typed_data(), P, Tp};
+      }
       return Run<uint16_t>(
           pool, d, idx, reinterpret_cast<const uint16_t*>(q.untyped_data()),
           reinterpret_cast<const uint16_t*>(k_new.untyped_data()),
           reinterpret_cast<const uint16_t*>(v_new.untyped_data()),
           reinterpret_cast<uint16_t*>(k_out->untyped_data()),
-          reinterpret_cast<uint16_t*>(v_out->untyped_data()), mask.typed_data(),
+          reinterpret_cast<uint16_t*>(v_out->untyped_data()), mask.typed_data(), pr,
           out->typed_data());
+    }
     default:
       return ffi::Error::InvalidArgument("decode_attention: dtype must be f32 or bf16");
   }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_new,
+                           ffi::AnyBuffer v_new, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                           ffi::Buffer<ffi::S32> mask, ffi::Buffer<ffi::S32> index,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out,
+                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  return Dispatch(pool, q, k_new, v_new, k_cache, v_cache, mask, index, out, k_out, v_out,
+                  nullptr, nullptr, nullptr);
+}
+
+ffi::Error DecodeAttentionShared(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_new,
+                                 ffi::AnyBuffer v_new, ffi::AnyBuffer k_cache,
+                                 ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> mask,
+                                 ffi::Buffer<ffi::S32> index, ffi::AnyBuffer k_prompt,
+                                 ffi::AnyBuffer v_prompt, ffi::Buffer<ffi::S32> prompt_mask,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> out,
+                                 ffi::Result<ffi::AnyBuffer> k_out,
+                                 ffi::Result<ffi::AnyBuffer> v_out) {
+  return Dispatch(pool, q, k_new, v_new, k_cache, v_cache, mask, index, out, k_out, v_out,
+                  &k_prompt, &v_prompt, &prompt_mask);
 }
 
 }  // namespace
@@ -355,6 +449,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaDecodeAttention, DecodeAttention,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaDecodeAttentionShared, DecodeAttentionShared,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
