@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 NATIVE := ba_jax/native/_decode_attention.so
 WORKDIR ?= runs/default
 PYTEST_ARGS ?=
+# Test processes in parallel (pytest-xdist); most of the suite's time is XLA compilation,
+# which is single-threaded, so two workers on two cores take ~0.65x the serial time.
+TEST_WORKERS ?= 2
 
 .PHONY: train test setup bench clean
 
@@ -18,14 +21,14 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
-$(NATIVE): ba_jax/native/decode_attention.cc $(STAMP)
+$(NATIVE): ba_jax/native/decode_attention.cc ba_jax/native/matmul_amx.cc $(STAMP)
 	$(PY) -m ba_jax.native build
 
 train: $(STAMP) $(NATIVE)
 	$(PY) -m ba_jax.main --config=configs/default.py --workdir=$(WORKDIR)
 
 test: $(STAMP) $(NATIVE)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache $(NATIVE)

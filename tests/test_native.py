@@ -140,3 +140,73 @@ def test_sampler_same_rollouts_with_and_without_kernel(monkeypatch):
     np.testing.assert_array_equal(fast.tokens, slow.tokens)
     np.testing.assert_array_equal(fast.mask, slow.mask)
     np.testing.assert_allclose(fast.logprobs, slow.logprobs, atol=2e-6)
+
+
+# The AMX matrix product needs the processor's AMX-BF16 unit; other machines skip these.
+needs_amx = pytest.mark.skipif(not native.matmul_amx_available(),
+                               reason="no AMX-BF16 on this processor (or kernel not built)")
+
+
+@needs_amx
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("M,K,N", [(5, 7, 3), (33, 64, 40), (64, 96, 17), (96, 128, 160)])
+def test_amx_matmul_matches_float64_product(M, K, N, transpose_a, transpose_b):
+    """Every padding and packing path (odd sizes, gathers, edge blocks) gives the exact
+    products summed in float32; bfloat16 output is that sum rounded once."""
+    rng = np.random.default_rng(M * K + N)
+    a = jnp.asarray(rng.standard_normal((K, M) if transpose_a else (M, K)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((N, K) if transpose_b else (K, N)), jnp.bfloat16)
+    want = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
+    want = want @ (np.asarray(b, np.float64).T if transpose_b else np.asarray(b, np.float64))
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    c32 = jax.jit(lambda a, b: native.matmul_amx(a, b, **kw))(a, b)
+    c16 = jax.jit(lambda a, b: native.matmul_amx(a, b, out_dtype=jnp.bfloat16, **kw))(a, b)
+    assert c32.shape == c16.shape == (M, N) and c32.dtype == jnp.float32
+    # float32 summation of K exact products: error within K ulps of the sum of |terms|
+    bound = K * 2.0 ** -23 * (np.abs(np.asarray(a, np.float64)).max() *
+                              np.abs(np.asarray(b, np.float64)).max() * K)
+    np.testing.assert_allclose(np.asarray(c32), want, rtol=0, atol=bound)
+    np.testing.assert_array_equal(np.asarray(c16), np.asarray(c32.astype(jnp.bfloat16)))
+
+
+@needs_amx
+def test_amx_matmul_rejects_bad_operands():
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="contracted sizes differ"):
+        native.matmul_amx(a, jnp.ones((7, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        native.matmul_amx(a.astype(jnp.float32), jnp.ones((8, 3), jnp.bfloat16))
+
+
+@needs_amx
+@pytest.mark.parametrize("x_shape,w_shape,w_axes", [
+    ((4, 128, 48), (48, 3, 16), (0,)),         # Linear [in, out...]
+    ((2, 256, 4, 16), (4, 16, 40), (0, 1)),    # o_proj [heads, head_dim, out]
+    ((4, 128, 32), (100, 32), (1,)),           # tied embedding [vocab, in]
+])
+def test_model_projection_on_amx_matches_xla_forward_and_backward(x_shape, w_shape, w_axes):
+    """qwen._mm on the kernel (rows >= its threshold) against XLA's dots: value and both
+    gradients, with a float32 parameter as in training."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(w_shape) * 0.1, jnp.float32)
+
+    def run(on):
+        def loss(x, w):
+            with qwen.native_matmul(on):
+                y = qwen._mm(x, w, w_axes, jnp.bfloat16).astype(jnp.float32)
+            return jnp.sum(y * jnp.cos(y))
+        f = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        uses = "ba_matmul_amx" in f.lower(x, w).as_text()
+        return f(x, w), uses
+
+    ((l1, (dx1, dw1)), uses1), ((l0, (dx0, dw0)), uses0) = run(True), run(False)
+    assert uses1 and not uses0
+    assert dx1.dtype == jnp.bfloat16 and dw1.dtype == jnp.float32
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-3)
+    # bf16 outputs may round the other way where the float32 sums differ in the last bits
+    np.testing.assert_allclose(np.asarray(dx1, np.float32), np.asarray(dx0, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dw1), np.asarray(dw0), rtol=2e-2, atol=2e-2 * float(
+        jnp.abs(dw0).max()))

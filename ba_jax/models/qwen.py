@@ -38,6 +38,8 @@ matmuls also run as bf16 x bf16 -> f32 instead of being promoted to float32 by a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -156,21 +158,80 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...]) -> jax.Array:
-    """Contracts x's trailing len(w_axes) dims with w's `w_axes`; float32 result.
+_NATIVE_MATMUL: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "ba_jax_native_matmul", default=None)
+
+
+# The kernel packs the weight on every call; below this many rows (a decode step's 128)
+# that packing costs more than XLA's dot, measured on this project's reference model.
+_AMX_MIN_ROWS = 512
+
+
+@contextlib.contextmanager
+def native_matmul(enabled: bool | None):
+    """While tracing inside, bf16 projections of at least _AMX_MIN_ROWS rows use the AMX
+    kernel (`native.matmul_amx`) iff `enabled` and it is available. None (the default
+    outside): only when JAX sees a single device, because a custom call is not partitioned
+    by XLA: a run that shards activations over a mesh must keep XLA's dot."""
+    token = _NATIVE_MATMUL.set(enabled)
+    try:
+        yield
+    finally:
+        _NATIVE_MATMUL.reset(token)
+
+
+def _amx_layout(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...]) -> str | None:
+    """"in_out" (w = [in..., out...]) or "out_in" (w = [out..., in...], the tied embedding)
+    when this product runs on the AMX kernel, else None (XLA's dot)."""
+    if x.dtype != jnp.bfloat16 or math.prod(x.shape[:x.ndim - len(w_axes)]) < _AMX_MIN_ROWS:
+        return None
+    enabled = _NATIVE_MATMUL.get()
+    if enabled is None:
+        enabled = jax.device_count() == 1
+    if not enabled or not native_kernels.matmul_amx_available():
+        return None
+    if w_axes == tuple(range(len(w_axes))):
+        return "in_out"
+    if w_axes == tuple(range(w.ndim - len(w_axes), w.ndim)):
+        return "out_in"
+    return None
+
+
+def _amx_operands(x, w, w_axes, layout):
+    """x as [rows, in], w (compute dtype) as [in, out] or [out, in], and the out shape."""
+    n = len(w_axes)
+    in_shape = x.shape[x.ndim - n:]
+    out_shape = w.shape[n:] if layout == "in_out" else w.shape[:w.ndim - n]
+    x2 = x.reshape(-1, math.prod(in_shape))
+    k = math.prod(in_shape)
+    w2 = w.astype(x.dtype).reshape((k, -1) if layout == "in_out" else (-1, k))
+    return x2, w2, out_shape
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],
+        out_dtype=jnp.float32) -> jax.Array:
+    """Contracts x's trailing len(w_axes) dims with w's `w_axes`; the float32 sum, rounded
+    once to out_dtype.
 
     w (the parameter, in its own dtype) is cast to x's compute dtype inside, so that its
     gradient leaves the float32 accumulator in the parameter's dtype, with no bf16 rounding
     and no convert pair in between.
     """
     n = len(w_axes)
+    layout = _amx_layout(x, w, w_axes)
+    if layout is not None:
+        x2, w2, out_shape = _amx_operands(x, w, w_axes, layout)
+        y2 = native_kernels.matmul_amx(x2, w2, transpose_b=layout == "out_in",
+                                       out_dtype=out_dtype)
+        return y2.reshape(*x.shape[:x.ndim - n], *out_shape)
     dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
-    return lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
 
 
-def _mm_fwd(x, w, w_axes):
-    return _mm(x, w, w_axes), (x, w)
+def _mm_fwd(x, w, w_axes, out_dtype):
+    return _mm(x, w, w_axes, out_dtype), (x, w)
 
 
 def _rowmajor_transpose(a_NK: jax.Array) -> jax.Array:
@@ -213,9 +274,20 @@ def _weight_grad(x, g, w_axes, w_ndim):
     return jnp.transpose(dw, np.argsort(w_axes + w_free))
 
 
-def _mm_bwd(w_axes, res, g):
+def _mm_bwd(w_axes, out_dtype, res, g):
     x, w = res
     g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
+    layout = _amx_layout(x, w, w_axes)
+    if layout is not None:
+        x2, w2, _ = _amx_operands(x, w, w_axes, layout)
+        g2 = g.reshape(x2.shape[0], -1)
+        if layout == "in_out":  # dx = g w^T, dw = x^T g
+            dx2 = native_kernels.matmul_amx(g2, w2, transpose_b=True, out_dtype=x.dtype)
+            dw2 = native_kernels.matmul_amx(x2, g2, transpose_a=True)
+        else:  # w = [out, in]: dx = g w, dw = g^T x
+            dx2 = native_kernels.matmul_amx(g2, w2, out_dtype=x.dtype)
+            dw2 = native_kernels.matmul_amx(g2, x2, transpose_a=True)
+        return dx2.reshape(x.shape), dw2.reshape(w.shape).astype(w.dtype)
     w_c = w.astype(x.dtype)
     n_free = x.ndim - len(w_axes)
     w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
@@ -239,10 +311,11 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _mm(x.astype(self.dtype), self.kernel[...], tuple(range(self.n_in)))
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(self.dtype)
+        axes = tuple(range(self.n_in))
+        if self.bias is None:
+            return _mm(x.astype(self.dtype), self.kernel[...], axes, self.dtype)
+        y = _mm(x.astype(self.dtype), self.kernel[...], axes)
+        return (y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class Embed(nnx.Module):

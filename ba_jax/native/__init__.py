@@ -1,12 +1,17 @@
 """Optional native CPU kernels (XLA FFI custom calls), with the XLA path as the fallback.
 
 Lives here: building (`python -m ba_jax.native build`, run by `make`), loading and
-registering the kernels, and their Python call wrappers. Today one kernel:
-`decode_attention`, the one-token cached attention of `Qwen.decode` on CPU, optionally
-with a prompt segment shared by the samples of each prompt (see
-decode_attention.cc for why XLA:CPU needs it). Nothing else depends on it: when the shared
-library is missing (no C++ compiler) or the backend is not the CPU, callers use the XLA
-path, which computes the same thing.
+registering the kernels, and their Python call wrappers. Two kernels:
+
+* `decode_attention`, the one-token cached attention of `Qwen.decode` on CPU, optionally
+  with a prompt segment shared by the samples of each prompt (decode_attention.cc says why
+  XLA:CPU needs it);
+* `matmul_amx`, a bfloat16 x bfloat16 -> float32 matrix product on Intel AMX tiles
+  (matmul_amx.cc), used by the model's bf16 projections when the processor has AMX.
+
+Nothing else depends on them: when the shared library is missing (no C++ compiler), the
+backend is not the CPU or the processor lacks AMX, callers use the XLA path, which
+computes the same thing.
 
 The library is compiled for the machine it is built on (-march=native) into this folder,
 next to the source; `make` rebuilds it when the source or jaxlib changes.
@@ -29,10 +34,11 @@ import jax.numpy as jnp
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-SOURCE = _HERE / "decode_attention.cc"
+SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc")
 LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
 _TARGET_SHARED = "ba_decode_attention_shared"
+_TARGET_MATMUL = "ba_matmul_amx"
 _DISABLE_ENV = "BA_JAX_NO_NATIVE"  # set to 1 to force the XLA path (tests compare both)
 
 
@@ -43,7 +49,7 @@ def build(quiet: bool = False) -> Path:
         raise RuntimeError("no C++ compiler (g++ or $CXX) found")
     tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-           f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+           f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
     if not quiet:
         print(" ".join(cmd))
     subprocess.run(cmd, check=True)
@@ -52,23 +58,32 @@ def build(quiet: bool = False) -> Path:
 
 
 @functools.cache
-def _register() -> bool:
+def _library() -> ctypes.CDLL | None:
     if not LIBRARY.exists():
-        return False
-    if LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime:
+        return None
+    if LIBRARY.stat().st_mtime < max(src.stat().st_mtime for src in SOURCES):
         log.warning("%s is older than its source; run `python -m ba_jax.native build`", LIBRARY)
-        return False
+        return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BaDecodeAttention),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_TARGET_SHARED,
-                                    jax.ffi.pycapsule(lib.BaDecodeAttentionShared),
-                                    platform="cpu")
+        for target, symbol in ((_TARGET, lib.BaDecodeAttention),
+                               (_TARGET_SHARED, lib.BaDecodeAttentionShared),
+                               (_TARGET_MATMUL, lib.BaMatmulAmx)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
         log.warning("native kernels unavailable (%s); using the XLA path", err)
-        return False
-    return True
+        return None
+    return lib
+
+
+def _register() -> bool:
+    return _library() is not None
+
+
+@functools.cache
+def _amx() -> bool:
+    lib = _library()
+    return lib is not None and bool(lib.BaAmxAvailable())
 
 
 def decode_attention_available() -> bool:
@@ -76,6 +91,39 @@ def decode_attention_available() -> bool:
     if os.environ.get(_DISABLE_ENV) == "1" or jax.default_backend() != "cpu":
         return False
     return _register()
+
+
+def matmul_amx_available() -> bool:
+    """True when `matmul_amx` can run: the library is loaded, JAX runs on the CPU, the
+    processor has AMX-BF16 and the OS granted its tile state, BA_JAX_NO_NATIVE is unset."""
+    if os.environ.get(_DISABLE_ENV) == "1" or jax.default_backend() != "cpu":
+        return False
+    return _amx()
+
+
+def matmul_amx(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
+               out_dtype=jnp.float32) -> jax.Array:
+    """op(a) @ op(b) for 2-D bfloat16 operands on AMX tiles -> [M, N] in out_dtype
+    (float32, or bfloat16 rounded once from the float32 sum).
+
+    op(a) is a [M, K] (or a.T of a [K, M] when transpose_a), op(b) is b [K, N] (or b.T of a
+    [N, K] when transpose_b): the transposes are read by the kernel's packing, never
+    materialised by XLA. Products are exact in float32 and summed in float32.
+    """
+    if not matmul_amx_available():
+        raise RuntimeError("native matmul_amx unavailable (no AMX-BF16, library not built, "
+                           "not on the CPU, or BA_JAX_NO_NATIVE=1)")
+    if a.ndim != 2 or b.ndim != 2 or a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_amx takes 2-D bfloat16 operands, got {a.dtype}{a.shape} "
+                         f"and {b.dtype}{b.shape}")
+    m, k = a.shape[::-1] if transpose_a else a.shape
+    k_b, n = b.shape[::-1] if transpose_b else b.shape
+    if k != k_b:
+        raise ValueError(f"matmul_amx: contracted sizes differ ({k} vs {k_b})")
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul_amx returns float32 or bfloat16, not {out_dtype}")
+    call = jax.ffi.ffi_call(_TARGET_MATMUL, jax.ShapeDtypeStruct((m, n), out_dtype))
+    return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
 def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index,
@@ -118,7 +166,8 @@ def main(argv: list[str]) -> int:
         print(f"native kernels not built ({err}); ba_jax will use the XLA path",
               file=sys.stderr)
         return 0
-    _register.cache_clear()
+    _library.cache_clear()
+    _amx.cache_clear()
     ok = _register()
     print(f"built {LIBRARY.name}; registered: {ok}")
     return 0
