@@ -467,6 +467,10 @@ def main(argv) -> None:
 
     from absl import flags, logging
 
+    from ba_jax import hostmem
+
+    hostmem.apply_env()  # opt-in allocator setting, before JAX starts its threads
+
     from ba_jax import benchmarks_data, build, checkpoint
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO

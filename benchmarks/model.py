@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from ba_jax import grpo  # noqa: E402
+from ba_jax import grpo, hostmem  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
 B, T, V = 8, 256, 8192
@@ -159,12 +159,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precisions", default="f32,bf16")
     parser.add_argument("--cache-write", action="store_true", help="only the KV-cache write")
+    parser.add_argument("--keep-freed", action="store_true",
+                        help="ba_jax: keep freed memory (BA_JAX_KEEP_FREED_MEMORY=1)")
+    parser.add_argument("--peer-keep-freed", action="store_true",
+                        help="the peer too: the same glibc setting in its process")
     parser.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cache_write:
         return cache_write()
+    if (args.worker == "ours" and args.keep_freed) or (args.worker == "peer" and
+                                                       args.peer_keep_freed):
+        hostmem.keep_freed_memory()  # as BA_JAX_KEEP_FREED_MEMORY=1 does (ba_jax/hostmem.py)
     if args.worker == "ours":
         return _workers.serve(lambda: ours_setup(args.model_dir, args.precision))
     if args.worker == "peer":
@@ -175,13 +182,16 @@ def main() -> None:
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"params {n_params / 1e6:.2f}M; each side in its own process, alternating; "
           f"load average {os.getloadavg()}")
+    ours_flags = ["--keep-freed"] if args.keep_freed else []
+    peer_flags = ["--peer-keep-freed"] if args.peer_keep_freed else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)  # both sides start from these weights
         for prec in args.precisions.split(","):
             common = ["--precision", prec, "--model-dir", tmp]
             t_ours, t_peer, ours_info, peer_info = _workers.alternate(
-                [__file__, "--worker", "ours", *common], [__file__, "--worker", "peer", *common],
+                [__file__, "--worker", "ours", *common, *ours_flags],
+                [__file__, "--worker", "peer", *common, *peer_flags],
                 args.steps)
             tj, tp = B * T / statistics.median(t_ours), B * T / statistics.median(t_peer)
             peak = ours_info["peak"]
