@@ -208,7 +208,6 @@ def _amx_operands(x, w, w_axes, layout):
     return x2, w2, out_shape
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],
         out_dtype=jnp.float32) -> jax.Array:
     """Contracts x's trailing len(w_axes) dims with w's `w_axes`; the float32 sum, rounded
@@ -216,10 +215,16 @@ def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],
 
     w (the parameter, in its own dtype) is cast to x's compute dtype inside, so that its
     gradient leaves the float32 accumulator in the parameter's dtype, with no bf16 rounding
-    and no convert pair in between.
+    and no convert pair in between. Whether the AMX kernel runs is decided here, when the
+    forward is traced, and the backward follows that decision (it may be traced later,
+    outside a `native_matmul` block).
     """
+    return _mm_vjp(x, w, w_axes, out_dtype, _amx_layout(x, w, w_axes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _mm_vjp(x, w, w_axes, out_dtype, layout):
     n = len(w_axes)
-    layout = _amx_layout(x, w, w_axes)
     if layout is not None:
         x2, w2, out_shape = _amx_operands(x, w, w_axes, layout)
         y2 = native_kernels.matmul_amx(x2, w2, transpose_b=layout == "out_in",
@@ -230,8 +235,8 @@ def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],
     return y.astype(out_dtype)
 
 
-def _mm_fwd(x, w, w_axes, out_dtype):
-    return _mm(x, w, w_axes, out_dtype), (x, w)
+def _mm_fwd(x, w, w_axes, out_dtype, layout):
+    return _mm_vjp(x, w, w_axes, out_dtype, layout), (x, w)
 
 
 def _rowmajor_transpose(a_NK: jax.Array) -> jax.Array:
@@ -274,10 +279,9 @@ def _weight_grad(x, g, w_axes, w_ndim):
     return jnp.transpose(dw, np.argsort(w_axes + w_free))
 
 
-def _mm_bwd(w_axes, out_dtype, res, g):
+def _mm_bwd(w_axes, out_dtype, layout, res, g):
     x, w = res
     g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
-    layout = _amx_layout(x, w, w_axes)
     if layout is not None:
         x2, w2, _ = _amx_operands(x, w, w_axes, layout)
         g2 = g.reshape(x2.shape[0], -1)
@@ -297,7 +301,7 @@ def _mm_bwd(w_axes, out_dtype, res, g):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-_mm.defvjp(_mm_fwd, _mm_bwd)
+_mm_vjp.defvjp(_mm_fwd, _mm_bwd)
 
 
 class Linear(nnx.Module):
