@@ -202,10 +202,9 @@ def _amx_operands(x, w, w_axes, layout):
     n = len(w_axes)
     in_shape = x.shape[x.ndim - n:]
     out_shape = w.shape[n:] if layout == "in_out" else w.shape[:w.ndim - n]
-    x2 = x.reshape(-1, math.prod(in_shape))
     k = math.prod(in_shape)
     w2 = w.astype(x.dtype).reshape((k, -1) if layout == "in_out" else (-1, k))
-    return x2, w2, out_shape
+    return x.reshape(-1, k), w2, out_shape
 
 
 def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],

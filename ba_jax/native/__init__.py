@@ -86,19 +86,19 @@ def _amx() -> bool:
     return lib is not None and bool(lib.BaAmxAvailable())
 
 
+def _enabled_on_cpu() -> bool:
+    return os.environ.get(_DISABLE_ENV) != "1" and jax.default_backend() == "cpu"
+
+
 def decode_attention_available() -> bool:
     """True when the kernel is built, loadable, enabled, and JAX runs on the CPU."""
-    if os.environ.get(_DISABLE_ENV) == "1" or jax.default_backend() != "cpu":
-        return False
-    return _register()
+    return _enabled_on_cpu() and _register()
 
 
 def matmul_amx_available() -> bool:
     """True when `matmul_amx` can run: the library is loaded, JAX runs on the CPU, the
     processor has AMX-BF16 and the OS granted its tile state, BA_JAX_NO_NATIVE is unset."""
-    if os.environ.get(_DISABLE_ENV) == "1" or jax.default_backend() != "cpu":
-        return False
-    return _amx()
+    return _enabled_on_cpu() and _amx()
 
 
 def matmul_amx(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
