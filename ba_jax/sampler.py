@@ -31,6 +31,7 @@ sampled from (temperature, top-k, top-p applied; 0 for greedy).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import Counter
@@ -354,9 +355,14 @@ def _jitted(graphdef, P, Tp, G, M, config, mesh, use_native) -> Callable:
         def run(state, prompt_PT, prompt_mask_PT, key, eos_E, pad_id):
             TRACE_COUNTS[(P, Tp, G, M)] += 1  # runs at trace time only
             model = nnx.merge(graphdef, state)
-            return rollout_arrays(model, prompt_PT, prompt_mask_PT, key, num_samples=G,
-                                  max_new_tokens=M, config=config, eos_E=eos_E,
-                                  pad_id=pad_id, mesh=mesh, use_native=use_native)
+            # bf16 weights packed once per call for the AMX kernel (a no-op otherwise);
+            # the native path runs unsharded
+            packing = (qwen.packed_weights(model, unsharded=True) if use_native
+                       else contextlib.nullcontext())
+            with packing:
+                return rollout_arrays(model, prompt_PT, prompt_mask_PT, key, num_samples=G,
+                                      max_new_tokens=M, config=config, eos_E=eos_E,
+                                      pad_id=pad_id, mesh=mesh, use_native=use_native)
 
         _JITTED[k] = jax.jit(run)
     return _JITTED[k]

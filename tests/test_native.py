@@ -7,6 +7,7 @@ set by nothing but a user who wants to insist; CI builds it through the Makefile
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -168,6 +169,13 @@ def test_amx_matmul_matches_float64_product(M, K, N, transpose_a, transpose_b):
                               np.abs(np.asarray(b, np.float64)).max() * K)
     np.testing.assert_allclose(np.asarray(c32), want, rtol=0, atol=bound)
     np.testing.assert_array_equal(np.asarray(c16), np.asarray(c32.astype(jnp.bfloat16)))
+    # op(b) packed once beforehand: the same tiles, the same sums
+    packed = native.pack_amx(b, transpose_b=transpose_b)
+    assert (packed.k, packed.n) == (K, N)
+    for out_dtype, want_c in ((jnp.float32, c32), (jnp.bfloat16, c16)):
+        c = jax.jit(lambda a, p: native.matmul_amx_packed(
+            a, p, transpose_a=transpose_a, out_dtype=out_dtype))(a, packed)
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(want_c))
 
 
 @needs_amx
@@ -177,6 +185,11 @@ def test_amx_matmul_rejects_bad_operands():
         native.matmul_amx(a, jnp.ones((7, 3), jnp.bfloat16))
     with pytest.raises(ValueError, match="2-D bfloat16"):
         native.matmul_amx(a.astype(jnp.float32), jnp.ones((8, 3), jnp.bfloat16))
+    packed = native.pack_amx(jnp.ones((7, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="contracted sizes differ"):
+        native.matmul_amx_packed(a, packed)
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        native.pack_amx(jnp.ones((2, 7, 3), jnp.bfloat16))
 
 
 @needs_amx
@@ -212,3 +225,61 @@ def test_model_projection_on_amx_matches_xla_forward_and_backward(x_shape, w_sha
                                rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(dw1), np.asarray(dw0), rtol=2e-2, atol=2e-2 * float(
         jnp.abs(dw0).max()))
+
+
+def _tiny(family: str, tied: bool) -> qwen.ModelConfig:
+    return qwen.ModelConfig(family, vocab_size=97, hidden_size=64, intermediate_size=80,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+                            rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=128,
+                            use_tied_embeddings=tied, use_qkv_bias=family == "qwen2",
+                            use_o_bias=False, use_qk_norm=family == "qwen3")
+
+
+@needs_amx
+@pytest.mark.parametrize("family,tied", [("qwen3", True), ("qwen2", False)])
+def test_packed_weights_forward_matches_xla(family, tied):
+    """Inside `packed_weights` every projection of a bf16 model (biases, the untied head or
+    the tied embedding included) runs on weights packed once; logits match XLA's dots."""
+    model = qwen.Qwen(_tiny(family, tied), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (3, 11)), jnp.int32)
+    want = jax.jit(lambda t: model(t))(tokens)
+    with qwen.native_matmul(True), qwen.packed_weights(model):
+        f = jax.jit(lambda t: model(t))
+        calls = f.lower(tokens).as_text().count("ba_matmul_amx_packed")
+        got = f(tokens)
+    assert calls == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the output
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=2e-2 * float(jnp.abs(want).max()))
+    # f32 models, and native products switched off, keep XLA's dots
+    for m, on in ((qwen.Qwen(_tiny(family, tied), rngs=nnx.Rngs(0)), None), (model, False)):
+        with qwen.native_matmul(on), qwen.packed_weights(m):
+            assert "ba_matmul_amx" not in jax.jit(lambda t: m(t)).lower(tokens).as_text()
+
+
+@needs_amx
+def test_bf16_sampler_uses_packed_weights_and_agrees_with_xla(monkeypatch):
+    """The bf16 sampler packs the weights once per call and decodes on them; against the
+    same sampler on XLA's dots (packing switched off) the greedy rollouts agree and the
+    first token's log-probs match (bf16 sums in another order may flip a near tie later)."""
+    model = qwen.Qwen(_tiny("qwen3", True), rngs=nnx.Rngs(4), dtype=jnp.bfloat16)
+    prompts = [[5, 17, 3], [9, 4, 22, 7, 8], [1]]
+    kw = dict(num_samples=2, max_new_tokens=10, key=jax.random.key(1), temperature=0.0,
+              eos_ids=[96])
+    monkeypatch.setattr(sampler, "_JITTED", {})
+    traced = {"pack_amx": 0, "matmul_amx_packed": 0}  # calls while tracing the rollout
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            traced[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+    for name in traced:
+        monkeypatch.setattr(native, name, counting(name, getattr(native, name)))
+    packed = sampler.generate(model, prompts, **kw)
+    # 15 weights packed once; products in the prefill, the last prompt token and the loop
+    assert traced == {"pack_amx": 15, "matmul_amx_packed": 3 * 15}
+    monkeypatch.setattr(sampler, "_JITTED", {})
+    monkeypatch.setattr(qwen, "packed_weights", lambda m, **kw: contextlib.nullcontext())
+    plain = sampler.generate(model, prompts, **kw)
+    np.testing.assert_allclose(packed.logprobs[:, 0], plain.logprobs[:, 0], atol=2e-2)
+    assert (packed.tokens == plain.tokens).mean() >= 0.9

@@ -180,15 +180,65 @@ def native_matmul(enabled: bool | None):
         _NATIVE_MATMUL.reset(token)
 
 
+def _native_matmul_enabled(unsharded: bool = False) -> bool:
+    enabled = _NATIVE_MATMUL.get()
+    if enabled is None:
+        enabled = unsharded or jax.device_count() == 1
+    return enabled and native_kernels.matmul_amx_available()
+
+
+# id(module) -> (module, its weight packed by native.pack_amx), inside `packed_weights`
+_PACKED: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
+    "ba_jax_packed_weights", default=None)
+
+
+@contextlib.contextmanager
+def packed_weights(model: "Qwen", *, unsharded: bool = False):
+    """Inference only: while tracing inside, `model`'s bf16 projections (and the tied
+    output embedding) multiply by weights packed once, here, for the AMX kernel, at any
+    number of rows. For loops that reuse the weights every step (the sampler's decode):
+    the per-call kernel repacks the weight, which costs more than XLA's dot at a decode
+    step's 128 rows. A no-op unless the model computes in bfloat16 and the kernel would be
+    used (see `native_matmul`; `unsharded=True`: the caller runs on one device, so the
+    kernel is used by default even when JAX sees several). No gradient flows through
+    packed products."""
+    packed: dict[int, tuple[Any, Any]] = {}
+    if model.dtype == jnp.bfloat16 and _native_matmul_enabled(unsharded):
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, Linear):
+                w = module.kernel[...]
+                k = math.prod(w.shape[:module.n_in])
+                packed[id(module)] = (module, native_kernels.pack_amx(
+                    w.astype(jnp.bfloat16).reshape(k, -1)))
+        if model.lm_head is None:
+            e = model.embed_tokens
+            packed[id(e)] = (e, native_kernels.pack_amx(
+                e.embedding[...].astype(jnp.bfloat16), transpose_b=True))
+    token = _PACKED.set(packed or None)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
+def _packed_mm(module, x: jax.Array, n_in: int, out_shape, out_dtype) -> jax.Array | None:
+    """x (contracting its trailing n_in dims) times module's packed weight, or None when
+    the weight is not packed (outside `packed_weights`)."""
+    entry = (_PACKED.get() or {}).get(id(module))
+    if entry is None:
+        return None
+    lead = x.shape[:x.ndim - n_in]
+    y = native_kernels.matmul_amx_packed(x.astype(jnp.bfloat16).reshape(math.prod(lead), -1),
+                                         entry[1], out_dtype=out_dtype)
+    return y.reshape(*lead, *out_shape)
+
+
 def _amx_layout(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...]) -> str | None:
     """"in_out" (w = [in..., out...]) or "out_in" (w = [out..., in...], the tied embedding)
     when this product runs on the AMX kernel, else None (XLA's dot)."""
     if x.dtype != jnp.bfloat16 or math.prod(x.shape[:x.ndim - len(w_axes)]) < _AMX_MIN_ROWS:
         return None
-    enabled = _NATIVE_MATMUL.get()
-    if enabled is None:
-        enabled = jax.device_count() == 1
-    if not enabled or not native_kernels.matmul_amx_available():
+    if not _native_matmul_enabled():
         return None
     if w_axes == tuple(range(len(w_axes))):
         return "in_out"
@@ -315,9 +365,13 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         axes = tuple(range(self.n_in))
+        out_dtype = self.dtype if self.bias is None else jnp.float32
+        out_shape = self.kernel[...].shape[self.n_in:]
+        y = _packed_mm(self, x, self.n_in, out_shape, out_dtype)
+        if y is None:
+            y = _mm(x.astype(self.dtype), self.kernel[...], axes, out_dtype)
         if self.bias is None:
-            return _mm(x.astype(self.dtype), self.kernel[...], axes, self.dtype)
-        y = _mm(x.astype(self.dtype), self.kernel[...], axes)
+            return y
         return (y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
 
 
@@ -550,6 +604,10 @@ class Qwen(nnx.Module):
 
     def _logits(self, x_BTD):
         x_BTD = self.norm(x_BTD)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        y = _packed_mm(head, x_BTD, 1, (self.config.vocab_size,), jnp.float32)
+        if y is not None:
+            return y
         if self.lm_head is None:
             return _mm(x_BTD, self.embed_tokens.embedding[...], (1,))
         return _mm(x_BTD, self.lm_head.kernel[...], (0,))

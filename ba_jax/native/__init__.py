@@ -20,6 +20,7 @@ next to the source; `make` rebuilds it when the source or jaxlib changes.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -39,6 +40,8 @@ LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
 _TARGET_SHARED = "ba_decode_attention_shared"
 _TARGET_MATMUL = "ba_matmul_amx"
+_TARGET_PACK = "ba_pack_amx"
+_TARGET_MATMUL_PACKED = "ba_matmul_amx_packed"
 _DISABLE_ENV = "BA_JAX_NO_NATIVE"  # set to 1 to force the XLA path (tests compare both)
 
 
@@ -68,7 +71,9 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
         for target, symbol in ((_TARGET, lib.BaDecodeAttention),
                                (_TARGET_SHARED, lib.BaDecodeAttentionShared),
-                               (_TARGET_MATMUL, lib.BaMatmulAmx)):
+                               (_TARGET_MATMUL, lib.BaMatmulAmx),
+                               (_TARGET_PACK, lib.BaPackAmx),
+                               (_TARGET_MATMUL_PACKED, lib.BaMatmulAmxPacked)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
         log.warning("native kernels unavailable (%s); using the XLA path", err)
@@ -101,6 +106,20 @@ def matmul_amx_available() -> bool:
     return _enabled_on_cpu() and _amx()
 
 
+def _check_amx(name: str, *arrays) -> None:
+    if not matmul_amx_available():
+        raise RuntimeError(f"native {name} unavailable (no AMX-BF16, library not built, "
+                           "not on the CPU, or BA_JAX_NO_NATIVE=1)")
+    if any(x.ndim != 2 or x.dtype != jnp.bfloat16 for x in arrays):
+        raise ValueError(f"{name} takes 2-D bfloat16 operands, got "
+                         + " and ".join(f"{x.dtype}{x.shape}" for x in arrays))
+
+
+def _check_out_dtype(name: str, out_dtype) -> None:
+    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name} returns float32 or bfloat16, not {out_dtype}")
+
+
 def matmul_amx(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
                out_dtype=jnp.float32) -> jax.Array:
     """op(a) @ op(b) for 2-D bfloat16 operands on AMX tiles -> [M, N] in out_dtype
@@ -110,20 +129,50 @@ def matmul_amx(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     [N, K] when transpose_b): the transposes are read by the kernel's packing, never
     materialised by XLA. Products are exact in float32 and summed in float32.
     """
-    if not matmul_amx_available():
-        raise RuntimeError("native matmul_amx unavailable (no AMX-BF16, library not built, "
-                           "not on the CPU, or BA_JAX_NO_NATIVE=1)")
-    if a.ndim != 2 or b.ndim != 2 or a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
-        raise ValueError(f"matmul_amx takes 2-D bfloat16 operands, got {a.dtype}{a.shape} "
-                         f"and {b.dtype}{b.shape}")
+    _check_amx("matmul_amx", a, b)
     m, k = a.shape[::-1] if transpose_a else a.shape
     k_b, n = b.shape[::-1] if transpose_b else b.shape
     if k != k_b:
         raise ValueError(f"matmul_amx: contracted sizes differ ({k} vs {k_b})")
-    if jnp.dtype(out_dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"matmul_amx returns float32 or bfloat16, not {out_dtype}")
+    _check_out_dtype("matmul_amx", out_dtype)
     call = jax.ffi.ffi_call(_TARGET_MATMUL, jax.ShapeDtypeStruct((m, n), out_dtype))
     return call(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedAmx:
+    """op(b) of a [K, N] product packed once for `matmul_amx_packed` (`pack_amx`): the
+    tile unit's pair-interleaved layout, zero-padded to multiples of 32."""
+
+    data: jax.Array  # bfloat16 [ceil32(N) / 16, ceil32(K) / 32, 512]
+    k: int = dataclasses.field(metadata=dict(static=True))
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _pad32(x: int) -> int:
+    return -(-x // 32) * 32
+
+
+def pack_amx(b, *, transpose_b: bool = False) -> PackedAmx:
+    """Packs op(b) (b [K, N], or b.T of a [N, K] when transpose_b), bfloat16, once, so that
+    products with it over many calls (a decode loop) skip the per-call packing."""
+    _check_amx("pack_amx", b)
+    k, n = b.shape[::-1] if transpose_b else b.shape
+    out = jax.ShapeDtypeStruct((_pad32(n) // 16, _pad32(k) // 32, 512), jnp.bfloat16)
+    return PackedAmx(jax.ffi.ffi_call(_TARGET_PACK, out)(b, transpose_b=transpose_b), k, n)
+
+
+def matmul_amx_packed(a, b: PackedAmx, *, transpose_a: bool = False,
+                      out_dtype=jnp.float32) -> jax.Array:
+    """op(a) @ op(b) as `matmul_amx`, with op(b) packed beforehand by `pack_amx`."""
+    _check_amx("matmul_amx_packed", a)
+    m, k = a.shape[::-1] if transpose_a else a.shape
+    if k != b.k:
+        raise ValueError(f"matmul_amx_packed: contracted sizes differ ({k} vs {b.k})")
+    _check_out_dtype("matmul_amx_packed", out_dtype)
+    call = jax.ffi.ffi_call(_TARGET_MATMUL_PACKED, jax.ShapeDtypeStruct((m, b.n), out_dtype))
+    return call(a, b.data, transpose_a=transpose_a)
 
 
 def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index,

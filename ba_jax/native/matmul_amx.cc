@@ -277,54 +277,25 @@ struct Shared {
   std::condition_variable cv;
 };
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                  ffi::Result<ffi::AnyBuffer> out, bool transpose_a, bool transpose_b) {
-  if (!AmxReady()) return ffi::Error::InvalidArgument("AMX-BF16 is not available");
-  if (a.element_type() != ffi::BF16 || b.element_type() != ffi::BF16) {
-    return ffi::Error::InvalidArgument("ba_matmul_amx takes bfloat16 operands");
-  }
-  const auto ad = a.dimensions(), bd = b.dimensions(), cd = out->dimensions();
-  if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2) {
-    return ffi::Error::InvalidArgument("ba_matmul_amx takes 2-D operands");
-  }
-  Plan p;
-  p.ta = transpose_a;
-  p.tb = transpose_b;
-  p.M = transpose_a ? ad[1] : ad[0];
-  p.K = transpose_a ? ad[0] : ad[1];
-  p.N = transpose_b ? bd[0] : bd[1];
-  if ((transpose_b ? bd[1] : bd[0]) != p.K || cd[0] != p.M || cd[1] != p.N) {
-    return ffi::Error::InvalidArgument("ba_matmul_amx: operand shapes do not match");
-  }
-  auto pad = [](int64_t x) { return (x + kBlock - 1) / kBlock * kBlock; };
-  p.Mp = pad(p.M);
-  p.Kp = pad(p.K);
-  p.Np = pad(p.N);
-  p.a = reinterpret_cast<const uint16_t*>(a.untyped_data());
-  p.b = reinterpret_cast<const uint16_t*>(b.untyped_data());
-  if (out->element_type() == ffi::F32) {
-    p.c = reinterpret_cast<float*>(out->untyped_data());
-    p.c_bf16 = nullptr;
-  } else if (out->element_type() == ffi::BF16) {
-    p.c = nullptr;
-    p.c_bf16 = reinterpret_cast<uint16_t*>(out->untyped_data());
-  } else {
-    return ffi::Error::InvalidArgument("ba_matmul_amx returns float32 or bfloat16");
-  }
+// Allocates the scratch p needs (a padded copy of op(A) unless a is used in place, and the
+// packed op(B) when pack_b; otherwise p.b_pack is already set) and computes C over the
+// calling thread and the pool.
+ffi::Error Run(ffi::ThreadPool& pool, Plan p, bool pack_b) {
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const bool a_in_place = !p.ta && p.M == p.Mp && p.K == p.Kp;
   // One allocation holds both scratch arrays; it lives until every unit has finished.
   const int64_t a_elems = a_in_place ? 0 : p.Mp * p.Kp;
+  const int64_t b_elems = pack_b ? p.Np * p.Kp : 0;
   auto scratch = std::shared_ptr<uint16_t[]>(
-      new (std::align_val_t(64)) uint16_t[a_elems + p.Np * p.Kp],
+      new (std::align_val_t(64)) uint16_t[std::max<int64_t>(a_elems + b_elems, 1)],
       [](uint16_t* x) { ::operator delete[](x, std::align_val_t(64)); });
   p.a_pad = a_in_place ? nullptr : scratch.get();
   p.a_rows = a_in_place ? p.a : p.a_pad;
-  p.b_pack = scratch.get() + a_elems;
+  if (pack_b) p.b_pack = scratch.get() + a_elems;
 
   // Packing units: 64-row slices of A, 64-column slices of B. Compute units: panels.
   const int64_t a_units = a_in_place ? 0 : (p.Mp + 63) / 64;
-  const int64_t b_units = (p.Np / kTile + 3) / 4;
+  const int64_t b_units = pack_b ? (p.Np / kTile + 3) / 4 : 0;
   const int64_t pack_units = a_units + b_units;
   const int64_t m_panels = (p.Mp + kPanelM - 1) / kPanelM;
   const int64_t n_panels = (p.Np + kPanelN - 1) / kPanelN;
@@ -367,6 +338,91 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
   return ffi::Error::Success();
 }
 
+int64_t PadToBlock(int64_t x) { return (x + kBlock - 1) / kBlock * kBlock; }
+
+// Fills p's sizes and operand pointers from a ([M, K], or [K, M] when ta) and C.
+ffi::Error PlanA(Plan& p, ffi::AnyBuffer a, ffi::Result<ffi::AnyBuffer>& out, bool ta) {
+  if (!AmxReady()) return ffi::Error::InvalidArgument("AMX-BF16 is not available");
+  const auto ad = a.dimensions(), cd = out->dimensions();
+  if (a.element_type() != ffi::BF16 || ad.size() != 2 || cd.size() != 2) {
+    return ffi::Error::InvalidArgument("ba_matmul_amx takes a 2-D bfloat16 left operand");
+  }
+  p.ta = ta;
+  p.M = ta ? ad[1] : ad[0];
+  p.K = ta ? ad[0] : ad[1];
+  p.N = cd[1];
+  if (cd[0] != p.M) return ffi::Error::InvalidArgument("ba_matmul_amx: rows do not match");
+  p.Mp = PadToBlock(p.M);
+  p.Kp = PadToBlock(p.K);
+  p.Np = PadToBlock(p.N);
+  p.a = reinterpret_cast<const uint16_t*>(a.untyped_data());
+  if (out->element_type() == ffi::F32) {
+    p.c = reinterpret_cast<float*>(out->untyped_data());
+    p.c_bf16 = nullptr;
+  } else if (out->element_type() == ffi::BF16) {
+    p.c = nullptr;
+    p.c_bf16 = reinterpret_cast<uint16_t*>(out->untyped_data());
+  } else {
+    return ffi::Error::InvalidArgument("ba_matmul_amx returns float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                  ffi::Result<ffi::AnyBuffer> out, bool transpose_a, bool transpose_b) {
+  Plan p;
+  if (auto err = PlanA(p, a, out, transpose_a); err.failure()) return err;
+  const auto bd = b.dimensions();
+  if (b.element_type() != ffi::BF16 || bd.size() != 2) {
+    return ffi::Error::InvalidArgument("ba_matmul_amx takes a 2-D bfloat16 right operand");
+  }
+  p.tb = transpose_b;
+  if ((transpose_b ? bd[1] : bd[0]) != p.K || (transpose_b ? bd[0] : bd[1]) != p.N) {
+    return ffi::Error::InvalidArgument("ba_matmul_amx: operand shapes do not match");
+  }
+  p.b = reinterpret_cast<const uint16_t*>(b.untyped_data());
+  return Run(pool, p, /*pack_b=*/true);
+}
+
+// op(B) packed once into the layout Compute reads, for products that reuse one weight over
+// many calls (the decode steps): out is [Np / 16, Kp / 32, 512] bf16.
+ffi::Error PackWeight(ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, bool transpose_b) {
+  const auto bd = b.dimensions(), od = out->dimensions();
+  if (b.element_type() != ffi::BF16 || out->element_type() != ffi::BF16 || bd.size() != 2) {
+    return ffi::Error::InvalidArgument("ba_pack_amx takes a 2-D bfloat16 operand");
+  }
+  Plan p;
+  p.tb = transpose_b;
+  p.K = transpose_b ? bd[1] : bd[0];
+  p.N = transpose_b ? bd[0] : bd[1];
+  p.Kp = PadToBlock(p.K);
+  p.Np = PadToBlock(p.N);
+  if (od.size() != 3 || od[0] != p.Np / kTile || od[1] != p.Kp / kTileK ||
+      od[2] != kTile * kTileK) {
+    return ffi::Error::InvalidArgument("ba_pack_amx: wrong packed shape");
+  }
+  p.b = reinterpret_cast<const uint16_t*>(b.untyped_data());
+  p.b_pack = reinterpret_cast<uint16_t*>(out->untyped_data());
+  PackB(p, 0, p.Np / kTile);
+  return ffi::Error::Success();
+}
+
+// C = op(A) @ B with B packed by PackWeight.
+ffi::Error MatmulPacked(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b_pack,
+                        ffi::Result<ffi::AnyBuffer> out, bool transpose_a) {
+  Plan p;
+  if (auto err = PlanA(p, a, out, transpose_a); err.failure()) return err;
+  const auto bd = b_pack.dimensions();
+  if (b_pack.element_type() != ffi::BF16 || bd.size() != 3 || bd[0] != p.Np / kTile ||
+      bd[1] != p.Kp / kTileK || bd[2] != kTile * kTileK) {
+    return ffi::Error::InvalidArgument("ba_matmul_amx_packed: packed operand does not match");
+  }
+  p.tb = false;
+  p.b = nullptr;
+  p.b_pack = reinterpret_cast<uint16_t*>(b_pack.untyped_data());
+  return Run(pool, p, /*pack_b=*/false);
+}
+
 }  // namespace
 
 extern "C" int BaAmxAvailable() { return AmxReady() ? 1 : 0; }
@@ -379,3 +435,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaMatmulAmx, Matmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaPackAmx, PackWeight,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BaMatmulAmxPacked, MatmulPacked,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_a"));
