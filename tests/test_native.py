@@ -151,7 +151,8 @@ needs_amx = pytest.mark.skipif(not native.matmul_amx_available(),
 @needs_amx
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
-@pytest.mark.parametrize("M,K,N", [(5, 7, 3), (33, 64, 40), (64, 96, 17), (96, 128, 160)])
+@pytest.mark.parametrize("M,K,N", [(5, 7, 3), (33, 64, 40), (64, 96, 17), (96, 128, 160),
+                                   (48, 70, 33), (130, 70, 33)])
 def test_amx_matmul_matches_float64_product(M, K, N, transpose_a, transpose_b):
     """Every padding and packing path (odd sizes, gathers, edge blocks) gives the exact
     products summed in float32; bfloat16 output is that sum rounded once."""

@@ -108,44 +108,48 @@ inline uint16_t OpB(const Plan& p, int64_t k, int64_t n) {
 
 // Rows [m0, m1) of the padded row-major copy of op(A).
 BA_AMX void PadA(const Plan& p, int64_t m0, int64_t m1) {
-  // Transposed a ([K, M]): rows m and m + 1 of op(A) come from one gather of the 32-bit
-  // pairs (a[k, m], a[k, m + 1]) over 16 k, then a split into even and odd halves.
-  const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38,
-                                        36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12,
-                                        10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
-  const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                             6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(static_cast<int>(p.M * 2)));
-  const bool gather = p.ta && p.M % 2 == 0 && p.M * 2 * 32 < (int64_t{1} << 31);
-  for (int64_t m = m0; m < m1; ++m) {
+  const int64_t mv = std::min(m1, p.M);  // rows past M are zero padding
+  for (int64_t m = std::max(m0, mv); m < m1; ++m) {
+    std::memset(p.a_pad + m * p.Kp, 0, p.Kp * sizeof(uint16_t));
+  }
+  for (int64_t m = m0; m < mv; ++m) {
     uint16_t* row = p.a_pad + m * p.Kp;
-    if (m >= p.M) {
-      std::memset(row, 0, p.Kp * sizeof(uint16_t));
-      continue;
-    }
-    if (!p.ta) {
-      std::memcpy(row, p.a + m * p.K, p.K * sizeof(uint16_t));
-    } else if (gather && m % 2 == 0 && m + 1 < m1) {
-      uint16_t* next = row + p.Kp;
-      int64_t k = 0;
-      for (; k + 32 <= p.K; k += 32) {
+    if (!p.ta) std::memcpy(row, p.a + m * p.K, p.K * sizeof(uint16_t));
+    std::memset(row + p.K, 0, (p.Kp - p.K) * sizeof(uint16_t));
+  }
+  if (!p.ta) return;
+  // Transposed a ([K, M]). k runs outside the rows so that a pass reads a few neighbouring
+  // lines of a (rows m-major inside would walk all K rows of a, one page each, per row).
+  int64_t paired = m0;  // rows [m0, paired) are written in pairs by gathers
+  if (p.M % 2 == 0 && p.M * 2 * 32 < (int64_t{1} << 31)) {
+    // Rows m and m + 1 of op(A) come from one gather of the 32-bit pairs
+    // (a[k, m], a[k, m + 1]) over 16 k, then a split into even and odd halves.
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40,
+                                          38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14,
+                                          12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    const __m512i rows16 = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(static_cast<int>(p.M * 2)));
+    paired = m0 + (mv - m0) / 2 * 2;  // m0 is even (a multiple of 64)
+    int64_t k = 0;
+    for (; k + 32 <= p.K; k += 32) {
+      for (int64_t m = m0; m < paired; m += 2) {
         const void* base = p.a + k * p.M + m;
         const __m512i lo = _mm512_i32gather_epi32(rows16, base, 1);
         const __m512i hi = _mm512_i32gather_epi32(rows16, static_cast<const char*>(base) +
                                                               16 * p.M * 2, 1);
-        _mm512_storeu_si512(row + k, _mm512_permutex2var_epi16(lo, even, hi));
-        _mm512_storeu_si512(next + k, _mm512_permutex2var_epi16(lo, odd, hi));
+        _mm512_storeu_si512(p.a_pad + m * p.Kp + k, _mm512_permutex2var_epi16(lo, even, hi));
+        _mm512_storeu_si512(p.a_pad + (m + 1) * p.Kp + k,
+                            _mm512_permutex2var_epi16(lo, odd, hi));
       }
-      for (; k < p.K; ++k) {
-        row[k] = p.a[k * p.M + m];
-        next[k] = p.a[k * p.M + m + 1];
-      }
-      std::memset(next + p.K, 0, (p.Kp - p.K) * sizeof(uint16_t));
-    } else if (!(gather && m % 2 == 1)) {  // odd rows were written with the even one
-      for (int64_t k = 0; k < p.K; ++k) row[k] = p.a[k * p.M + m];
     }
-    std::memset(row + p.K, 0, (p.Kp - p.K) * sizeof(uint16_t));
+    for (; k < p.K; ++k) {
+      for (int64_t m = m0; m < paired; ++m) p.a_pad[m * p.Kp + k] = p.a[k * p.M + m];
+    }
+  }
+  for (int64_t k = 0; k < p.K; ++k) {
+    for (int64_t m = paired; m < mv; ++m) p.a_pad[m * p.Kp + k] = p.a[k * p.M + m];
   }
 }
 
@@ -161,12 +165,14 @@ BA_AMX void PackB(const Plan& p, int64_t nt0, int64_t nt1) {
   const __m512i cols16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
                                                              6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(static_cast<int>(p.K * 2)));
-  for (int64_t nt = nt0; nt < nt1; ++nt) {
-    const bool full_n = (nt + 1) * kTile <= p.N;
-    for (int64_t kb = 0; kb < kt; ++kb) {
-      uint16_t* t = p.b_pack + (nt * kt + kb) * (kTile * kTileK);
-      for (int64_t r = 0; r < kTile; ++r) {
-        const int64_t k = kb * kTileK + 2 * r;
+  // k outside the column tiles: each pass reads a row pair of b once, over all the unit's
+  // columns (a strip at a time would walk all K rows of b, one page each, per strip).
+  for (int64_t kb = 0; kb < kt; ++kb) {
+    for (int64_t r = 0; r < kTile; ++r) {
+      const int64_t k = kb * kTileK + 2 * r;
+      for (int64_t nt = nt0; nt < nt1; ++nt) {
+        const bool full_n = (nt + 1) * kTile <= p.N;
+        uint16_t* t = p.b_pack + (nt * kt + kb) * (kTile * kTileK);
         if (full_n && k + 1 < p.K && !p.tb) {
           const __m256i r0 = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(p.b + k * p.N + nt * kTile));
