@@ -428,10 +428,11 @@ def _cache_write(buf: jax.Array, new: jax.Array, index, axis: int) -> jax.Array:
 
 
 def _attend(q_BKGTH, k_BKxx, v_BKSH, mask_BTS, k_spec):
-    """softmax(q k^T / sqrt(H)) v over the unmasked slots -> (o_BKGTH, p_BKGTS float32).
+    """softmax(q k^T / sqrt(H)) v over the unmasked slots -> (o_BKGTH, p_BKGTS float32,
+    o_BKGTH float32).
 
     Scores, softmax and p are float32; the two dots take the compute dtype with float32
-    accumulation, and o is returned in the compute dtype.
+    accumulation, and o is returned in the compute dtype (and as the float32 sum).
     """
     dtype, H = q_BKGTH.dtype, q_BKGTH.shape[-1]
     s_BKGTS = jnp.einsum(k_spec, q_BKGTH, k_BKxx,
@@ -440,7 +441,7 @@ def _attend(q_BKGTH, k_BKxx, v_BKSH, mask_BTS, k_spec):
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
     o_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", p_BKGTS.astype(dtype), v_BKSH,
                          preferred_element_type=jnp.float32)
-    return o_BKGTH.astype(dtype), p_BKGTS
+    return o_BKGTH.astype(dtype), p_BKGTS, o_BKGTH
 
 
 @jax.custom_vjp
@@ -455,18 +456,22 @@ def _self_attention(q_BKGTH, k_BKSH, v_BKSH, mask_BTS):
 
 
 def _self_attention_fwd(q_BKGTH, k_BKSH, v_BKSH, mask_BTS):
-    o_BKGTH, p_BKGTS = _attend(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, "BKGTH,BKSH->BKGTS")
-    return o_BKGTH, (q_BKGTH, k_BKSH, v_BKSH, mask_BTS, p_BKGTS)
+    o_BKGTH, p_BKGTS, o32_BKGTH = _attend(q_BKGTH, k_BKSH, v_BKSH, mask_BTS,
+                                          "BKGTH,BKSH->BKGTS")
+    return o_BKGTH, (q_BKGTH, k_BKSH, v_BKSH, mask_BTS, p_BKGTS, o32_BKGTH)
 
 
 def _self_attention_bwd(res, do_BKGTH):
-    q_BKGTH, k_BKSH, v_BKSH, mask_BTS, p_BKGTS = res
+    q_BKGTH, k_BKSH, v_BKSH, mask_BTS, p_BKGTS, o32_BKGTH = res
     dtype, H = q_BKGTH.dtype, q_BKGTH.shape[-1]
     f32 = dict(preferred_element_type=jnp.float32)
     do_BKGTH = do_BKGTH.astype(dtype)
     dv_BKSH = jnp.einsum("BKGTS,BKGTH->BKSH", p_BKGTS.astype(dtype), do_BKGTH, **f32)
     dp_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", do_BKGTH, v_BKSH, **f32)
-    ds_BKGTS = p_BKGTS * (dp_BKGTS - jnp.sum(dp_BKGTS * p_BKGTS, axis=-1, keepdims=True))
+    # sum_s p_s dp_s = do . sum_s p_s v_s = do . o: a reduction over H, not over the slots
+    # (FlashAttention's rowsum(dO * O); exact up to rounding, any p)
+    D_BKGT1 = jnp.sum(do_BKGTH.astype(jnp.float32) * o32_BKGTH, axis=-1, keepdims=True)
+    ds_BKGTS = p_BKGTS * (dp_BKGTS - D_BKGT1)
     # masked scores get no gradient (a fully masked row's uniform p would otherwise pass one)
     ds_BKGTS = jnp.where(mask_BTS[:, None, None], ds_BKGTS * (H ** -0.5), 0.0).astype(dtype)
     dq_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", ds_BKGTS, k_BKSH, **f32)
