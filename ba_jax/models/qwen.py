@@ -169,10 +169,12 @@ _AMX_MIN_ROWS = 512
 
 @contextlib.contextmanager
 def native_matmul(enabled: bool | None):
-    """While tracing inside, bf16 projections of at least _AMX_MIN_ROWS rows use the AMX
-    kernel (`native.matmul_amx`) iff `enabled` and it is available. None (the default
-    outside): only when JAX sees a single device, because a custom call is not partitioned
-    by XLA: a run that shards activations over a mesh must keep XLA's dot."""
+    """While tracing inside, the model's native CPU kernels are used iff `enabled` and they
+    are available: bf16 projections of at least _AMX_MIN_ROWS rows on the AMX kernel
+    (`native.matmul_amx`) and the training forward's attention on `native.attention`.
+    None (the default outside): only when JAX sees a single device, because a custom call
+    is not partitioned by XLA: a run that shards activations over a mesh must keep XLA's
+    ops."""
     token = _NATIVE_MATMUL.set(enabled)
     try:
         yield
@@ -180,11 +182,13 @@ def native_matmul(enabled: bool | None):
         _NATIVE_MATMUL.reset(token)
 
 
-def _native_matmul_enabled(unsharded: bool = False) -> bool:
+def _native_enabled(unsharded: bool = False) -> bool:
     enabled = _NATIVE_MATMUL.get()
-    if enabled is None:
-        enabled = unsharded or jax.device_count() == 1
-    return enabled and native_kernels.matmul_amx_available()
+    return bool(unsharded or jax.device_count() == 1) if enabled is None else enabled
+
+
+def _native_matmul_enabled(unsharded: bool = False) -> bool:
+    return _native_enabled(unsharded) and native_kernels.matmul_amx_available()
 
 
 # id(module) -> (module, its weight packed by native.pack_amx), inside `packed_weights`
@@ -484,6 +488,39 @@ def _self_attention_bwd(res, do_BKGTH):
 _self_attention.defvjp(_self_attention_fwd, _self_attention_bwd)
 
 
+@jax.custom_vjp
+def _native_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS):
+    """`_self_attention` on the native CPU kernel (`native.attention`), in the projections'
+    layouts (no [B, K, G, T, H] transposes); same numerics, no [T, S] array in memory."""
+    return native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS).astype(q_BTNH.dtype)
+
+
+def _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS):
+    o32_BTNH = native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+    return o32_BTNH.astype(q_BTNH.dtype), (q_BTNH, k_BTKH, v_BTKH, mask_BTS, o32_BTNH)
+
+
+def _native_attention_bwd(res, do_BTNH):
+    q_BTNH, k_BTKH, v_BTKH, mask_BTS, o32_BTNH = res
+    dq, dk, dv = native_kernels.attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, o32_BTNH,
+                                               do_BTNH)
+    mask_zero = np.zeros(mask_BTS.shape, jax.dtypes.float0)
+    return (dq.astype(q_BTNH.dtype), dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype),
+            mask_zero)
+
+
+_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
+
+
+def _use_native_attention(dtype) -> bool:
+    """The training forward's attention on the CPU kernel: float32 or bfloat16, the kernel
+    built with AVX-512, and native kernels enabled (`native_matmul`: by default only when
+    JAX sees one device, since XLA does not partition a custom call)."""
+    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        return False
+    return _native_enabled() and native_kernels.attention_available()
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
 
@@ -516,6 +553,10 @@ class Attention(nnx.Module):
                 q_BTNH[:, 0], _rope(k_BTKH, sin_BTH, cos_BTH)[:, 0], v_BTKH[:, 0], kv[0], kv[1],
                 slots_BS, cache_index, prompt)
             return self.o_proj(o_BNH[:, None].astype(self.dtype)), (k_BKHS, v_BKSH)
+        if kv is None and _use_native_attention(self.dtype):
+            o_BTNH = _native_attention(q_BTNH, _rope(k_BTKH, sin_BTH, cos_BTH),
+                                       v_BTKH.astype(self.dtype), mask_BTS)
+            return self.o_proj(o_BTNH), kv
         k_BKTH = _rope(k_BTKH, sin_BTH, cos_BTH).transpose(0, 2, 1, 3)
         v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
         if kv is None:

@@ -1,13 +1,18 @@
 """Optional native CPU kernels (XLA FFI custom calls), with the XLA path as the fallback.
 
 Lives here: building (`python -m ba_jax.native build`, run by `make`), loading and
-registering the kernels, and their Python call wrappers. Two kernels:
+registering the kernels, and their Python call wrappers. Three kernels:
 
 * `decode_attention`, the one-token cached attention of `Qwen.decode` on CPU, optionally
   with a prompt segment shared by the samples of each prompt (decode_attention.cc says why
   XLA:CPU needs it);
+* `attention` / `attention_grad`, the training forward's masked self-attention and its
+  gradients (attention.cc), used by `Qwen.__call__` on one CPU device when the library was
+  compiled with AVX-512;
 * `matmul_amx`, a bfloat16 x bfloat16 -> float32 matrix product on Intel AMX tiles
-  (matmul_amx.cc), used by the model's bf16 projections when the processor has AMX.
+  (matmul_amx.cc), used by the model's bf16 projections when the processor has AMX, and
+  `pack_amx` / `matmul_amx_packed`, the same product with the weight packed once (the
+  sampler's decode loop).
 
 Nothing else depends on them: when the shared library is missing (no C++ compiler), the
 backend is not the CPU or the processor lacks AMX, callers use the XLA path, which
@@ -35,13 +40,16 @@ import jax.numpy as jnp
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc")
+SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc", _HERE / "attention.cc")
+HEADERS = (_HERE / "simd.h",)
 LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
 _TARGET_SHARED = "ba_decode_attention_shared"
 _TARGET_MATMUL = "ba_matmul_amx"
 _TARGET_PACK = "ba_pack_amx"
 _TARGET_MATMUL_PACKED = "ba_matmul_amx_packed"
+_TARGET_ATTENTION = "ba_attention"
+_TARGET_ATTENTION_GRAD = "ba_attention_grad"
 _DISABLE_ENV = "BA_JAX_NO_NATIVE"  # set to 1 to force the XLA path (tests compare both)
 
 
@@ -64,7 +72,7 @@ def build(quiet: bool = False) -> Path:
 def _library() -> ctypes.CDLL | None:
     if not LIBRARY.exists():
         return None
-    if LIBRARY.stat().st_mtime < max(src.stat().st_mtime for src in SOURCES):
+    if LIBRARY.stat().st_mtime < max(src.stat().st_mtime for src in SOURCES + HEADERS):
         log.warning("%s is older than its source; run `python -m ba_jax.native build`", LIBRARY)
         return None
     try:
@@ -73,7 +81,9 @@ def _library() -> ctypes.CDLL | None:
                                (_TARGET_SHARED, lib.BaDecodeAttentionShared),
                                (_TARGET_MATMUL, lib.BaMatmulAmx),
                                (_TARGET_PACK, lib.BaPackAmx),
-                               (_TARGET_MATMUL_PACKED, lib.BaMatmulAmxPacked)):
+                               (_TARGET_MATMUL_PACKED, lib.BaMatmulAmxPacked),
+                               (_TARGET_ATTENTION, lib.BaAttentionForward),
+                               (_TARGET_ATTENTION_GRAD, lib.BaAttentionBackward)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
         log.warning("native kernels unavailable (%s); using the XLA path", err)
@@ -91,6 +101,12 @@ def _amx() -> bool:
     return lib is not None and bool(lib.BaAmxAvailable())
 
 
+@functools.cache
+def _attention_built() -> bool:
+    lib = _library()
+    return lib is not None and bool(lib.BaAttentionAvailable())
+
+
 def _enabled_on_cpu() -> bool:
     return os.environ.get(_DISABLE_ENV) != "1" and jax.default_backend() == "cpu"
 
@@ -98,6 +114,12 @@ def _enabled_on_cpu() -> bool:
 def decode_attention_available() -> bool:
     """True when the kernel is built, loadable, enabled, and JAX runs on the CPU."""
     return _enabled_on_cpu() and _register()
+
+
+def attention_available() -> bool:
+    """True when `attention` / `attention_grad` can run: the library was built with AVX-512
+    (F, BW, VL), JAX runs on the CPU and BA_JAX_NO_NATIVE is unset."""
+    return _enabled_on_cpu() and _attention_built()
 
 
 def matmul_amx_available() -> bool:
@@ -175,6 +197,40 @@ def matmul_amx_packed(a, b: PackedAmx, *, transpose_a: bool = False,
     return call(a, b.data, transpose_a=transpose_a)
 
 
+def _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> None:
+    if not attention_available():
+        raise RuntimeError("native attention unavailable (library not built with AVX-512, "
+                           "not on the CPU, or BA_JAX_NO_NATIVE=1)")
+    B, T, N, H = q_BTNH.shape
+    if (k_BSKH.shape != v_BSKH.shape or k_BSKH.ndim != 4 or k_BSKH.shape[0] != B
+            or k_BSKH.shape[3] != H or N % k_BSKH.shape[2] or mask_BTS.shape
+            != (B, T, k_BSKH.shape[1]) or q_BTNH.dtype not in (jnp.float32, jnp.bfloat16)
+            or not q_BTNH.dtype == k_BSKH.dtype == v_BSKH.dtype):
+        raise ValueError(f"attention: q {q_BTNH.dtype}{q_BTNH.shape}, k {k_BSKH.dtype}"
+                         f"{k_BSKH.shape}, v {v_BSKH.dtype}{v_BSKH.shape}, mask {mask_BTS.shape}"
+                         " do not fit q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S], f32 or bf16")
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
+    """softmax(q k^T / sqrt(H)) v over the slots where mask_BTS is true -> o float32
+    [B, T, N, H] (query head n uses kv head n // (N // K)); probabilities rounded to the
+    operands' dtype before the value sum, a row with no true slot averages all slots, as
+    `qwen._attend`. Forward of the training step's attention (attention.cc)."""
+    _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+    call = jax.ffi.ffi_call(_TARGET_ATTENTION, jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32))
+    return call(q_BTNH, k_BSKH, v_BSKH, mask_BTS.astype(bool))
+
+
+def attention_grad(q_BTNH, k_BSKH, v_BSKH, mask_BTS, o_BTNH, do_BTNH):
+    """Gradients (dq, dk, dv, float32) of `attention` for the output cotangent do (in the
+    operands' dtype), given its float32 output o; the probabilities are recomputed."""
+    _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
+    call = jax.ffi.ffi_call(_TARGET_ATTENTION_GRAD, (f32(q_BTNH), f32(k_BSKH), f32(v_BSKH)))
+    return call(q_BTNH, k_BSKH, v_BSKH, mask_BTS.astype(bool), o_BTNH.astype(jnp.float32),
+                do_BTNH.astype(q_BTNH.dtype))
+
+
 def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index,
                      prompt=None):
     """Writes k/v_new at slot `index`, attends q over the valid slots -> (o_BNH f32, k, v).
@@ -217,6 +273,7 @@ def main(argv: list[str]) -> int:
         return 0
     _library.cache_clear()
     _amx.cache_clear()
+    _attention_built.cache_clear()
     ok = _register()
     print(f"built {LIBRARY.name}; registered: {ok}")
     return 0

@@ -37,6 +37,7 @@
 #include <mutex>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -71,38 +72,7 @@ struct Dims {
   int64_t B, N, K, S, H;
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define BA_AVX512 1
-
-// Up to 16 values from p (lanes >= n are zero), as float32.
-inline __m512 Load16(const float* p, int64_t n) {
-  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-}
-inline __m512 Load16(const uint16_t* p, int64_t n) {  // bf16 bits shifted into the high half
-  __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                      : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for 16 lanes (Cephes expf: range reduction by ln 2, degree-6 polynomial); lanes
-// below -87.3 (underflow, and -inf for masked slots) give exactly 0.
-inline __m512 Exp16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
-}
+#ifdef BA_AVX512
 
 // sc[g, s] = sum_h q[g, h] * kt[h, s] for s < L, 16 slots at a time, GN heads in registers.
 template <int GN, typename T>
