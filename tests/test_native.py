@@ -291,9 +291,11 @@ needs_attention = pytest.mark.skipif(not native.attention_available(),
                                      reason="attention kernel not built with AVX-512")
 
 
-def _xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-    """qwen's XLA attention (`_self_attention`, custom backward) in the kernel's layouts."""
+def _xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, sin_BTH, cos_BTH):
+    """qwen's XLA attention (RoPE, `_self_attention` with its custom backward) in the
+    kernel's layouts."""
     B, T, N, H = q_BTNH.shape
+    q_BTNH, k_BSKH = qwen._rope(q_BTNH, sin_BTH, cos_BTH), qwen._rope(k_BSKH, sin_BTH, cos_BTH)
     q_BKGTH = q_BTNH.reshape(B, T, k_BSKH.shape[2], -1, H).transpose(0, 2, 3, 1, 4)
     o_BKGTH = qwen._self_attention(q_BKGTH, k_BSKH.transpose(0, 2, 1, 3),
                                    v_BSKH.transpose(0, 2, 1, 3), mask_BTS)
@@ -311,9 +313,11 @@ def test_attention_kernel_matches_xla_forward_and_backward(dtype, B, T, N, K, H)
     k, v = (jax.random.normal(r, (B, T, K, H), dtype) for r in (ks[1], ks[2]))
     valid_BT = jnp.arange(T)[None] >= jnp.array([[0], [4]])[:B]
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BT[:, None, :]
-    want, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask), q, k, v)
-    o32 = jax.jit(native.attention)(q, k, v, mask)
-    got = jax.jit(native.attention_grad)(q, k, v, mask, o32, do)
+    positions = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
+    sin, cos = qwen._rope_tables(positions, H, 1e4)
+    want, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask, sin, cos), q, k, v)
+    o32 = jax.jit(native.attention)(q, k, v, mask, sin, cos)
+    got = jax.jit(native.attention_grad)(q, k, v, mask, sin, cos, o32, do)
     # float32: the same sums in another order; bfloat16: the same roundings, so results
     # agree but for the rare value whose float32 sum rounds the other way
     tol = 2e-6 if dtype == jnp.float32 else 4e-3

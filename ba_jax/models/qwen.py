@@ -489,24 +489,28 @@ _self_attention.defvjp(_self_attention_fwd, _self_attention_bwd)
 
 
 @jax.custom_vjp
-def _native_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS):
-    """`_self_attention` on the native CPU kernel (`native.attention`), in the projections'
-    layouts (no [B, K, G, T, H] transposes); same numerics, no [T, S] array in memory."""
-    return native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS).astype(q_BTNH.dtype)
+def _native_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH):
+    """RoPE on q and k, then `_self_attention`, on the native CPU kernel (`native.attention`)
+    in the projections' layouts (no [B, K, G, T, H] transposes, no per-head sin/cos, no
+    [T, S] array in memory); same numerics."""
+    o32_BTNH = native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
+    return o32_BTNH.astype(q_BTNH.dtype)
 
 
-def _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS):
-    o32_BTNH = native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
-    return o32_BTNH.astype(q_BTNH.dtype), (q_BTNH, k_BTKH, v_BTKH, mask_BTS, o32_BTNH)
+def _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH):
+    o32_BTNH = native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
+    res = (q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o32_BTNH)
+    return o32_BTNH.astype(q_BTNH.dtype), res
 
 
 def _native_attention_bwd(res, do_BTNH):
-    q_BTNH, k_BTKH, v_BTKH, mask_BTS, o32_BTNH = res
-    dq, dk, dv = native_kernels.attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, o32_BTNH,
-                                               do_BTNH)
+    q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o32_BTNH = res
+    dq, dk, dv = native_kernels.attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH,
+                                               cos_BTH, o32_BTNH, do_BTNH)
     mask_zero = np.zeros(mask_BTS.shape, jax.dtypes.float0)
+    # the tables are functions of the positions: their gradient is never used
     return (dq.astype(q_BTNH.dtype), dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype),
-            mask_zero)
+            mask_zero, jnp.zeros_like(sin_BTH), jnp.zeros_like(cos_BTH))
 
 
 _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
@@ -546,6 +550,10 @@ class Attention(nnx.Module):
         v_BTKH = self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        if kv is None and native is None and _use_native_attention(self.dtype):
+            o_BTNH = _native_attention(q_BTNH, k_BTKH, v_BTKH.astype(self.dtype), mask_BTS,
+                                       sin_BTH, cos_BTH)
+            return self.o_proj(o_BTNH), kv
         q_BTNH = _rope(q_BTNH, sin_BTH, cos_BTH)
         if native is not None:  # one cached token through the CPU kernel
             slots_BS, prompt = native
@@ -553,10 +561,6 @@ class Attention(nnx.Module):
                 q_BTNH[:, 0], _rope(k_BTKH, sin_BTH, cos_BTH)[:, 0], v_BTKH[:, 0], kv[0], kv[1],
                 slots_BS, cache_index, prompt)
             return self.o_proj(o_BNH[:, None].astype(self.dtype)), (k_BKHS, v_BKSH)
-        if kv is None and _use_native_attention(self.dtype):
-            o_BTNH = _native_attention(q_BTNH, _rope(k_BTKH, sin_BTH, cos_BTH),
-                                       v_BTKH.astype(self.dtype), mask_BTS)
-            return self.o_proj(o_BTNH), kv
         k_BKTH = _rope(k_BTKH, sin_BTH, cos_BTH).transpose(0, 2, 1, 3)
         v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
         if kv is None:

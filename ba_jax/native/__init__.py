@@ -197,7 +197,7 @@ def matmul_amx_packed(a, b: PackedAmx, *, transpose_a: bool = False,
     return call(a, b.data, transpose_a=transpose_a)
 
 
-def _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> None:
+def _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, sin_BTH, cos_BTH) -> None:
     if not attention_available():
         raise RuntimeError("native attention unavailable (library not built with AVX-512, "
                            "not on the CPU, or BA_JAX_NO_NATIVE=1)")
@@ -209,25 +209,35 @@ def _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> None:
         raise ValueError(f"attention: q {q_BTNH.dtype}{q_BTNH.shape}, k {k_BSKH.dtype}"
                          f"{k_BSKH.shape}, v {v_BSKH.dtype}{v_BSKH.shape}, mask {mask_BTS.shape}"
                          " do not fit q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S], f32 or bf16")
+    if (sin_BTH.shape != (B, T, H) or cos_BTH.shape != (B, T, H) or k_BSKH.shape[1] != T
+            or H % 2):
+        raise ValueError(f"attention: sin {sin_BTH.shape} and cos {cos_BTH.shape} must be "
+                         f"[B, T, H] = {(B, T, H)} with H even, and keys at the T positions")
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
-    """softmax(q k^T / sqrt(H)) v over the slots where mask_BTS is true -> o float32
-    [B, T, N, H] (query head n uses kv head n // (N // K)); probabilities rounded to the
-    operands' dtype before the value sum, a row with no true slot averages all slots, as
-    `qwen._attend`. Forward of the training step's attention (attention.cc)."""
-    _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+def attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH) -> jax.Array:
+    """Self-attention of the training forward -> o float32 [B, T, N, H] (attention.cc).
+
+    q and k are rotated first by the rotary tables sin/cos [B, T, H] (HF rotate-half, the
+    result rounded to the operands' dtype, as `qwen._rope`), then softmax(q k^T / sqrt(H)) v
+    over the slots where mask_BTS is true (query head n uses kv head n // (N // K));
+    probabilities rounded to the operands' dtype before the value sum, a row with no true
+    slot averages all slots, as `qwen._attend`."""
+    _check_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
     call = jax.ffi.ffi_call(_TARGET_ATTENTION, jax.ShapeDtypeStruct(q_BTNH.shape, jnp.float32))
-    return call(q_BTNH, k_BSKH, v_BSKH, mask_BTS.astype(bool))
+    return call(q_BTNH, k_BTKH, v_BTKH, mask_BTS.astype(bool), sin_BTH.astype(jnp.float32),
+                cos_BTH.astype(jnp.float32))
 
 
-def attention_grad(q_BTNH, k_BSKH, v_BSKH, mask_BTS, o_BTNH, do_BTNH):
-    """Gradients (dq, dk, dv, float32) of `attention` for the output cotangent do (in the
-    operands' dtype), given its float32 output o; the probabilities are recomputed."""
-    _check_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
+def attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o_BTNH, do_BTNH):
+    """Gradients (dq, dk, dv, float32, with respect to the un-rotated q and k) of
+    `attention` for the output cotangent do (in the operands' dtype), given its float32
+    output o; the probabilities are recomputed."""
+    _check_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
     f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
-    call = jax.ffi.ffi_call(_TARGET_ATTENTION_GRAD, (f32(q_BTNH), f32(k_BSKH), f32(v_BSKH)))
-    return call(q_BTNH, k_BSKH, v_BSKH, mask_BTS.astype(bool), o_BTNH.astype(jnp.float32),
+    call = jax.ffi.ffi_call(_TARGET_ATTENTION_GRAD, (f32(q_BTNH), f32(k_BTKH), f32(v_BTKH)))
+    return call(q_BTNH, k_BTKH, v_BTKH, mask_BTS.astype(bool), sin_BTH.astype(jnp.float32),
+                cos_BTH.astype(jnp.float32), o_BTNH.astype(jnp.float32),
                 do_BTNH.astype(q_BTNH.dtype))
 
 

@@ -17,9 +17,13 @@
 //
 // Operands (B rows, T queries, S = T keys, N query heads, K kv heads, H head dim, D = f32 or
 // bf16; query head n uses kv head n / (N / K)):
-//   q [B, T, N, H] D, k [B, S, K, H] D, v [B, S, K, H] D, mask [B, T, S] pred
+//   q [B, T, N, H] D, k [B, S, K, H] D, v [B, S, K, H] D, mask [B, T, S] pred,
+//   sin, cos [B, T, H] f32 (S == T): q and k enter before their rotary embedding, which the
+//   kernel applies on load (rounded to D, as `qwen._rope`), so XLA does not recompute the
+//   sin/cos tables for every head (it fuses them into each RoPE)
 //   forward  -> o [B, T, N, H] f32
-//   backward (q, k, v, mask, o f32, do D) -> dq [B, T, N, H], dk, dv [B, S, K, H], all f32
+//   backward (q, k, v, mask, sin, cos, o f32, do D) -> dq [B, T, N, H], dk, dv [B, S, K, H],
+//   all f32 and with respect to the un-rotated q and k
 // Work is split by (row, kv head) over the calling thread and XLA's intra-op pool.
 
 #include <algorithm>
@@ -81,14 +85,56 @@ struct Scratch {
   }
 };
 
-// x[s, kh, :] of one row as float32 into a [Sp, Hp] copy and (when xt) an [Hp, Sp] one.
+// Rotary embedding of one float32 row in place, with its position's sin/cos rows (HF
+// rotate-half: the two halves of H form the pairs), rounded to bf16 when the operands are.
+void Rope(const Dims& d, const float* sin, const float* cos, bool bf16, float* x) {
+  const int64_t half = d.H / 2;
+  alignas(64) float y[512];
+  for (int64_t h = 0; h < half; ++h) y[h] = x[h] * cos[h] - x[h + half] * sin[h];
+  for (int64_t h = half; h < d.H; ++h) y[h] = x[h] * cos[h] + x[h - half] * sin[h];
+  std::memcpy(x, y, d.H * sizeof(float));
+  if (bf16) {
+    for (int64_t h = 0; h < d.H; h += 16) {
+      _mm512_mask_storeu_ps(x + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(x + h)));
+    }
+  }
+}
+
+// The transpose of Rope (its gradient): dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
+// With bf16 operands g is rounded to bf16 first, as the XLA path's rotated-q/k gradient is.
+void RopeGrad(const Dims& d, const float* sin, const float* cos, bool bf16, float* g) {
+  if (bf16) {
+    for (int64_t h = 0; h < d.H; h += 16) {
+      _mm512_mask_storeu_ps(g + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(g + h)));
+    }
+  }
+  const int64_t half = d.H / 2;
+  alignas(64) float y[512];
+  for (int64_t h = 0; h < half; ++h) y[h] = g[h] * cos[h] + g[h + half] * sin[h + half];
+  for (int64_t h = half; h < d.H; ++h) y[h] = g[h] * cos[h] - g[h - half] * sin[h - half];
+  std::memcpy(g, y, d.H * sizeof(float));
+}
+
+// Position tables of row b: sin/cos [B, T, H] (slots use the same positions as queries).
+struct RopeTables {
+  const float* sin;
+  const float* cos;
+  const float* Sin(const Dims& d, int64_t b, int64_t t) const { return sin + (b * d.T + t) * d.H; }
+  const float* Cos(const Dims& d, int64_t b, int64_t t) const { return cos + (b * d.T + t) * d.H; }
+};
+
+// x[s, kh, :] of one row as float32 into a [Sp, Hp] copy and (when xt) an [Hp, Sp] one;
+// rotated first when rope is given (the keys).
 template <typename T>
-void LoadSlots(const Dims& d, const T* x, int64_t b, int64_t kh, float* xf, float* xt) {
+void LoadSlots(const Dims& d, const T* x, int64_t b, int64_t kh, float* xf, float* xt,
+               const RopeTables* rope = nullptr) {
+  constexpr bool kBf16 = std::is_same<T, uint16_t>::value;
   for (int64_t s = 0; s < d.S; ++s) {
     const T* src = x + ((b * d.S + s) * d.K + kh) * d.H;
     for (int64_t h = 0; h < d.H; h += 16) {
       _mm512_storeu_ps(xf + s * d.Hp + h, Load16(src + h, d.H - h));
     }
+    if (rope != nullptr) Rope(d, rope->Sin(d, b, s), rope->Cos(d, b, s), kBf16, xf + s * d.Hp);
     if (xt != nullptr) {
       for (int64_t h = 0; h < d.H; ++h) xt[h * d.Sp + s] = xf[s * d.Hp + h];
     }
@@ -216,10 +262,15 @@ void RoundAll(float* x, int64_t n) {
 
 // Rows t0 .. t0 + R - 1 of query head n (R <= kR) as float32 [kR, Hp]; the others zero.
 template <typename T>
-void LoadRows(const Dims& d, const T* x, int64_t b, int64_t t0, int R, int64_t n, float* out) {
+void LoadRows(const Dims& d, const T* x, int64_t b, int64_t t0, int R, int64_t n, float* out,
+              const RopeTables* rope = nullptr) {
+  constexpr bool kBf16 = std::is_same<T, uint16_t>::value;
   for (int r = 0; r < kR; ++r) {
     if (r < R) {
       LoadRow(d, x + ((b * d.T + t0 + r) * d.N + n) * d.H, out + r * d.Hp);
+      if (rope != nullptr) {
+        Rope(d, rope->Sin(d, b, t0 + r), rope->Cos(d, b, t0 + r), kBf16, out + r * d.Hp);
+      }
     } else {
       std::fill(out + r * d.Hp, out + (r + 1) * d.Hp, 0.0f);
     }
@@ -243,10 +294,10 @@ bool BlockSoftmax(const Dims& d, Scratch& w, int R, const int64_t* valid) {
 
 template <typename T>
 void ForwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool* mask,
-                 float* o, int64_t b, int64_t kh, Scratch& w) {
+                 const RopeTables& rope, float* o, int64_t b, int64_t kh, Scratch& w) {
   constexpr bool kBf16 = std::is_same<T, uint16_t>::value;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
-  LoadSlots(d, k, b, kh, w.kf.data(), w.kt.data());
+  LoadSlots(d, k, b, kh, w.kf.data(), w.kt.data(), &rope);
   LoadSlots(d, v, b, kh, w.vf.data(), static_cast<float*>(nullptr));
   const int64_t G = d.N / d.K;
   float* qf = w.row.data();
@@ -255,7 +306,7 @@ void ForwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool* 
   for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
     for (int64_t t0 = 0; t0 < d.T; t0 += kR) {
       const int R = static_cast<int>(std::min<int64_t>(kR, d.T - t0));
-      LoadRows(d, q, b, t0, R, n, qf);
+      LoadRows(d, q, b, t0, R, n, qf, &rope);
       Scores(d, qf, w.kt.data(), mask + (b * d.T + t0) * d.S, R, scale, w.sc.data(),
              w.live.data(), valid);
       const bool uniform = BlockSoftmax(d, w, R, valid);
@@ -271,11 +322,11 @@ void ForwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool* 
 
 template <typename T>
 void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool* mask,
-                  const float* o, const T* dout, float* dq, float* dk, float* dv, int64_t b,
-                  int64_t kh, Scratch& w) {
+                  const RopeTables& rope, const float* o, const T* dout, float* dq, float* dk,
+                  float* dv, int64_t b, int64_t kh, Scratch& w) {
   constexpr bool kBf16 = std::is_same<T, uint16_t>::value;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
-  LoadSlots(d, k, b, kh, w.kf.data(), w.kt.data());
+  LoadSlots(d, k, b, kh, w.kf.data(), w.kt.data(), &rope);
   LoadSlots(d, v, b, kh, w.vf.data(), w.vt.data());
   std::fill(w.dk.begin(), w.dk.end(), 0.0f);
   std::fill(w.dv.begin(), w.dv.end(), 0.0f);
@@ -289,7 +340,7 @@ void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool*
     for (int64_t t0 = 0; t0 < d.T; t0 += kR) {
       const int R = static_cast<int>(std::min<int64_t>(kR, d.T - t0));
       const bool* m = mask + (b * d.T + t0) * d.S;
-      LoadRows(d, q, b, t0, R, n, qf);
+      LoadRows(d, q, b, t0, R, n, qf, &rope);
       LoadRows(d, dout, b, t0, R, n, dof);
       Scores(d, qf, w.kt.data(), m, R, scale, w.sc.data(), w.live.data(), valid);
       const bool uniform = BlockSoftmax(d, w, R, valid);
@@ -330,7 +381,8 @@ void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool*
       AddOuter(d, w.p.data(), dof, w.live.data(), uniform, w.dv.data());
       AddOuter(d, ds, qf, w.live.data(), false, w.dk.data());
       WeightedRows(d, ds, w.kf.data(), w.live.data(), false, dqf);
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < R; ++r) {  // back through the rotation of q
+        RopeGrad(d, rope.Sin(d, b, t0 + r), rope.Cos(d, b, t0 + r), kBf16, dqf + r * d.Hp);
         std::memcpy(dq + ((b * d.T + t0 + r) * d.N + n) * d.H, dqf + r * d.Hp,
                     d.H * sizeof(float));
       }
@@ -338,6 +390,7 @@ void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool*
   }
   for (int64_t s = 0; s < d.S; ++s) {
     const int64_t at = ((b * d.S + s) * d.K + kh) * d.H;
+    RopeGrad(d, rope.Sin(d, b, s), rope.Cos(d, b, s), kBf16, w.dk.data() + s * d.Hp);
     std::memcpy(dk + at, w.dk.data() + s * d.Hp, d.H * sizeof(float));
     std::memcpy(dv + at, w.dv.data() + s * d.Hp, d.H * sizeof(float));
   }
@@ -399,10 +452,26 @@ ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::An
   return ffi::Error::Success();
 }
 
+// sin/cos [B, T, H] float32, H even, and S == T (self-attention: keys at query positions).
+ffi::Error CheckRope(const Dims& d, const ffi::Buffer<ffi::F32>& sin,
+                     const ffi::Buffer<ffi::F32>& cos, RopeTables& rope) {
+  const auto sd = sin.dimensions(), cd = cos.dimensions();
+  if (sd.size() != 3 || cd.size() != 3 || sd[0] != d.B || sd[1] != d.T || sd[2] != d.H ||
+      cd[0] != d.B || cd[1] != d.T || cd[2] != d.H || d.S != d.T || d.H % 2 || d.H > 512) {
+    return ffi::Error::InvalidArgument(
+        "attention: sin and cos must be [B,T,H] (H even, at most 512) and S == T");
+  }
+  rope = RopeTables{sin.typed_data(), cos.typed_data()};
+  return ffi::Error::Success();
+}
+
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::PRED> mask, ffi::Result<ffi::Buffer<ffi::F32>> o) {
+                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> sin,
+                   ffi::Buffer<ffi::F32> cos, ffi::Result<ffi::Buffer<ffi::F32>> o) {
   Dims d;
   if (auto err = Check(q, k, v, mask, d); err.failure()) return err;
+  RopeTables rope;
+  if (auto err = CheckRope(d, sin, cos, rope); err.failure()) return err;
   const bool* m = mask.typed_data();
   float* out = o->typed_data();
   if (q.element_type() == ffi::F32) {
@@ -410,25 +479,28 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                *kp = static_cast<const float*>(k.untyped_data()),
                *vp = static_cast<const float*>(v.untyped_data());
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
-      ForwardUnit(d, qp, kp, vp, m, out, b, kh, w);
+      ForwardUnit(d, qp, kp, vp, m, rope, out, b, kh, w);
     });
   } else {
     const auto *qp = static_cast<const uint16_t*>(q.untyped_data()),
                *kp = static_cast<const uint16_t*>(k.untyped_data()),
                *vp = static_cast<const uint16_t*>(v.untyped_data());
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
-      ForwardUnit(d, qp, kp, vp, m, out, b, kh, w);
+      ForwardUnit(d, qp, kp, vp, m, rope, out, b, kh, w);
     });
   }
   return ffi::Error::Success();
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> o, ffi::AnyBuffer dout,
+                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> sin,
+                    ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> o, ffi::AnyBuffer dout,
                     ffi::Result<ffi::Buffer<ffi::F32>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dk,
                     ffi::Result<ffi::Buffer<ffi::F32>> dv) {
   Dims d;
   if (auto err = Check(q, k, v, mask, d); err.failure()) return err;
+  RopeTables rope;
+  if (auto err = CheckRope(d, sin, cos, rope); err.failure()) return err;
   if (dout.element_type() != q.element_type() || o.element_count() != q.element_count() ||
       dout.element_count() != q.element_count()) {
     return ffi::Error::InvalidArgument("attention backward: o and do must match q");
@@ -442,7 +514,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                *vp = static_cast<const float*>(v.untyped_data()),
                *gp = static_cast<const float*>(dout.untyped_data());
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
-      BackwardUnit(d, qp, kp, vp, m, op, gp, dqp, dkp, dvp, b, kh, w);
+      BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
     });
   } else {
     const auto *qp = static_cast<const uint16_t*>(q.untyped_data()),
@@ -450,7 +522,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
                *vp = static_cast<const uint16_t*>(v.untyped_data()),
                *gp = static_cast<const uint16_t*>(dout.untyped_data());
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
-      BackwardUnit(d, qp, kp, vp, m, op, gp, dqp, dkp, dvp, b, kh, w);
+      BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
     });
   }
   return ffi::Error::Success();
@@ -459,12 +531,14 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
 #else  // no AVX-512: Python keeps XLA's attention (BaAttentionAvailable() == 0)
 
 ffi::Error Forward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                   ffi::Buffer<ffi::PRED>, ffi::Result<ffi::Buffer<ffi::F32>>) {
+                   ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                   ffi::Result<ffi::Buffer<ffi::F32>>) {
   return ffi::Error::InvalidArgument("attention kernel built without AVX-512");
 }
 
 ffi::Error Backward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                    ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::F32>, ffi::AnyBuffer,
+                    ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                    ffi::Buffer<ffi::F32>, ffi::AnyBuffer,
                     ffi::Result<ffi::Buffer<ffi::F32>>, ffi::Result<ffi::Buffer<ffi::F32>>,
                     ffi::Result<ffi::Buffer<ffi::F32>>) {
   return ffi::Error::InvalidArgument("attention kernel built without AVX-512");
@@ -489,6 +563,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaAttentionForward, Forward,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaAttentionBackward, Backward,
@@ -498,6 +574,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaAttentionBackward, Backward,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
