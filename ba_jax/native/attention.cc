@@ -29,15 +29,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -396,37 +395,14 @@ void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool*
   }
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-// Runs unit(b, kh, scratch) for every (row, kv head) over the caller and the pool; the
-// caller only waits for units already claimed, so a busy pool cannot deadlock it.
+// Runs unit(b, kh, scratch) for every (row, kv head) over the caller and the pool.
 template <typename F>
 void ForEachUnit(ffi::ThreadPool& pool, const Dims& d, F unit) {
-  const int64_t units = d.B * d.K;
-  auto shared = std::make_shared<Shared>();
-  auto work = [=]() {
+  ba_native::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
     thread_local Scratch w;
     w.Resize(d);
-    for (;;) {
-      const int64_t i = shared->next.fetch_add(1);
-      if (i >= units) return;
-      unit(i / d.K, i % d.K, w);
-      if (shared->done.fetch_add(1) + 1 == units) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == units; });
+    unit(i / d.K, i % d.K, w);
+  });
 }
 
 ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,

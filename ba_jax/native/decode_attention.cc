@@ -30,13 +30,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -265,46 +264,17 @@ void AttendRows(const Dims& d, int64_t index, const T* q, const T* k_new, const 
   }
 }
 
-// Rows are handed out in blocks from an atomic counter, to the calling thread and to up to
-// (pool threads) helpers. The caller never waits for a helper that has not started: it
-// only waits for blocks already claimed, so a busy pool cannot deadlock the call.
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
+// Rows are handed out in blocks of 4 over the calling thread and the pool.
 template <typename T>
 ffi::Error Run(ffi::ThreadPool pool, const Dims& d, int64_t index, const T* q,
                const T* k_new, const T* v_new, T* k_cache, T* v_cache, const int32_t* mask,
                const PromptSegment<T>& pr, float* out) {
   const int64_t block = 4;
-  const int64_t nblocks = (d.B + block - 1) / block;
-  auto shared = std::make_shared<Shared>();
-  auto work = [=](std::vector<float>& scratch) {
-    for (;;) {
-      const int64_t i = shared->next.fetch_add(1);
-      if (i >= nblocks) return;
-      AttendRows(d, index, q, k_new, v_new, k_cache, v_cache, mask, pr, out, i * block,
-                 std::min(d.B, (i + 1) * block), scratch);
-      if (shared->done.fetch_add(1) + 1 == nblocks) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), nblocks - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([work]() {
-      std::vector<float> scratch;
-      work(scratch);
-    });
-  }
-  std::vector<float> scratch;
-  work(scratch);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == nblocks; });
+  ba_native::ParallelFor(pool, (d.B + block - 1) / block, [=](int64_t i) {
+    thread_local std::vector<float> scratch;
+    AttendRows(d, index, q, k_new, v_new, k_cache, v_cache, mask, pr, out, i * block,
+               std::min(d.B, (i + 1) * block), scratch);
+  });
   return ffi::Error::Success();
 }
 

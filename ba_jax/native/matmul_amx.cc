@@ -12,10 +12,10 @@
 // Each call packs op(B) into the tile unit's pair-interleaved layout (zero-padded to
 // multiples of 32) and, when op(A) is not already row-major with padded sizes, op(A)
 // into a padded row-major copy; then 32x32 blocks of C are computed by 2x2 tiles over K.
-// Work is split over the calling thread and XLA's intra-op pool: first the packing units,
-// then the compute units (a compute unit waits for the packing, which is all claimed by
-// then, so a busy pool cannot deadlock the call). Products of bf16 values are exact in
-// float32; only the summation order differs from XLA's dot.
+// Work is split over the calling thread and XLA's intra-op pool (parallel.h): first the
+// packing units, then the compute units (a compute unit waits for the packing, which is all
+// claimed by then, so a busy pool cannot deadlock the call). Products of bf16 values are
+// exact in float32; only the summation order differs from XLA's dot.
 //
 // BaAmxAvailable() tells Python whether the processor has AMX-BF16 and the kernel granted
 // the process the tile data state (Linux arch_prctl); without it callers use XLA's dot.
@@ -26,14 +26,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -275,14 +274,6 @@ BA_AMX void Compute(const Plan& p, int64_t m0, int64_t m1, int64_t n0, int64_t n
   _tile_release();
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> packed{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
 // Allocates the scratch p needs (a padded copy of op(A) unless a is used in place, and the
 // packed op(B) when pack_b; otherwise p.b_pack is already set) and computes C over the
 // calling thread and the pool.
@@ -306,41 +297,26 @@ ffi::Error Run(ffi::ThreadPool& pool, Plan p, bool pack_b) {
   const int64_t m_panels = (p.Mp + kPanelM - 1) / kPanelM;
   const int64_t n_panels = (p.Np + kPanelN - 1) / kPanelN;
   const int64_t units = pack_units + m_panels * n_panels;
-  auto shared = std::make_shared<Shared>();
-  auto work = [=]() {
-    for (;;) {
-      const int64_t i = shared->next.fetch_add(1);
-      if (i >= units) return;
-      if (i < a_units) {
-        PadA(p, i * 64, std::min(p.Mp, (i + 1) * 64));
-        shared->packed.fetch_add(1);
-      } else if (i < pack_units) {
-        const int64_t j = i - a_units;
-        PackB(p, j * 4, std::min(p.Np / kTile, (j + 1) * 4));
-        shared->packed.fetch_add(1);
-      } else {
-        // Every packing unit was claimed before this one; wait for those still running.
-        while (shared->packed.load(std::memory_order_acquire) < pack_units) {
-          std::this_thread::yield();
-        }
-        const int64_t j = i - pack_units;
-        const int64_t mi = j % m_panels, ni = j / m_panels;  // a B panel's units adjacent
-        Compute(p, mi * kPanelM, std::min(p.Mp, (mi + 1) * kPanelM), ni * kPanelN,
-                std::min(p.Np, (ni + 1) * kPanelN));
-      }
-      if (shared->done.fetch_add(1) + 1 == units) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
+  auto packed = std::make_shared<std::atomic<int64_t>>(0);
+  // scratch is captured so that it outlives a helper that starts after the last unit
+  ba_native::ParallelFor(pool, units, [=](int64_t i) {
+    (void)scratch;
+    if (i < a_units) {
+      PadA(p, i * 64, std::min(p.Mp, (i + 1) * 64));
+      packed->fetch_add(1);
+    } else if (i < pack_units) {
+      const int64_t j = i - a_units;
+      PackB(p, j * 4, std::min(p.Np / kTile, (j + 1) * 4));
+      packed->fetch_add(1);
+    } else {
+      // Every packing unit was claimed before this one; wait for those still running.
+      while (packed->load(std::memory_order_acquire) < pack_units) std::this_thread::yield();
+      const int64_t j = i - pack_units;
+      const int64_t mi = j % m_panels, ni = j / m_panels;  // a B panel's units adjacent
+      Compute(p, mi * kPanelM, std::min(p.Mp, (mi + 1) * kPanelM), ni * kPanelN,
+              std::min(p.Np, (ni + 1) * kPanelN));
     }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([work, scratch]() { work(); });
-  }
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == units; });
+  });
   return ffi::Error::Success();
 }
 
