@@ -493,8 +493,7 @@ def _native_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH):
     """RoPE on q and k, then `_self_attention`, on the native CPU kernel (`native.attention`)
     in the projections' layouts (no [B, K, G, T, H] transposes, no per-head sin/cos, no
     [T, S] array in memory); same numerics."""
-    o32_BTNH = native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
-    return o32_BTNH.astype(q_BTNH.dtype)
+    return _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)[0]
 
 
 def _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH):
