@@ -405,6 +405,12 @@ void ForEachUnit(ffi::ThreadPool& pool, const Dims& d, F unit) {
   });
 }
 
+// A buffer's data as T (float for f32, uint16_t bits for bf16).
+template <typename T>
+const T* Data(const ffi::AnyBuffer& x) {
+  return static_cast<const T*>(x.untyped_data());
+}
+
 ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                  const ffi::Buffer<ffi::PRED>& mask, Dims& d) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
@@ -450,21 +456,14 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (auto err = CheckRope(d, sin, cos, rope); err.failure()) return err;
   const bool* m = mask.typed_data();
   float* out = o->typed_data();
-  if (q.element_type() == ffi::F32) {
-    const auto *qp = static_cast<const float*>(q.untyped_data()),
-               *kp = static_cast<const float*>(k.untyped_data()),
-               *vp = static_cast<const float*>(v.untyped_data());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *qp = Data<T>(q), *kp = Data<T>(k), *vp = Data<T>(v);
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
       ForwardUnit(d, qp, kp, vp, m, rope, out, b, kh, w);
     });
-  } else {
-    const auto *qp = static_cast<const uint16_t*>(q.untyped_data()),
-               *kp = static_cast<const uint16_t*>(k.untyped_data()),
-               *vp = static_cast<const uint16_t*>(v.untyped_data());
-    ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
-      ForwardUnit(d, qp, kp, vp, m, rope, out, b, kh, w);
-    });
-  }
+  };
+  if (q.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
   return ffi::Error::Success();
 }
 
@@ -484,23 +483,14 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   const bool* m = mask.typed_data();
   const float* op = o.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
-  if (q.element_type() == ffi::F32) {
-    const auto *qp = static_cast<const float*>(q.untyped_data()),
-               *kp = static_cast<const float*>(k.untyped_data()),
-               *vp = static_cast<const float*>(v.untyped_data()),
-               *gp = static_cast<const float*>(dout.untyped_data());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T *qp = Data<T>(q), *kp = Data<T>(k), *vp = Data<T>(v), *gp = Data<T>(dout);
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
       BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
     });
-  } else {
-    const auto *qp = static_cast<const uint16_t*>(q.untyped_data()),
-               *kp = static_cast<const uint16_t*>(k.untyped_data()),
-               *vp = static_cast<const uint16_t*>(v.untyped_data()),
-               *gp = static_cast<const uint16_t*>(dout.untyped_data());
-    ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
-      BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
-    });
-  }
+  };
+  if (q.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
   return ffi::Error::Success();
 }
 
