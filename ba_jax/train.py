@@ -50,7 +50,7 @@ def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
     Tp = batch["prompt_tokens_BT"].shape[1]
     tokens_BS, positions_BS, attn_BS = sequence_inputs(
         batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
-    logits_BRV = model(tokens_BS, positions_BS, attn_BS)[:, Tp - 1 :]
+    logits_BRV = model(tokens_BS, positions_BS, attn_BS, logits_slice=slice(Tp - 1, None))
     logp_BR = grpo.token_logprobs(logits_BRV, batch["tokens_BR"])
     ent_BR = grpo.token_entropy(jax.lax.stop_gradient(logits_BRV)) if with_entropy else None
     return logp_BR, ent_BR

@@ -54,8 +54,10 @@ def make_jax_step(hf_dir: str, dtype):
     opt_state = opt.init(params)
 
     def loss_fn(params, tokens_BT):
-        # The trainer's own log-prob gather (fused backward, no [B,T,V] scatter).
-        logits_BTV = nnx.merge(graphdef, params)(tokens_BT)[:, :-1]
+        # The trainer's own log-prob gather (fused backward, no [B,T,V] scatter); the last
+        # position predicts nothing, so its logits are not computed (as the trainer skips
+        # the prompt's).
+        logits_BTV = nnx.merge(graphdef, params)(tokens_BT, logits_slice=slice(None, -1))
         return -jnp.mean(grpo.token_logprobs(logits_BTV, tokens_BT[:, 1:]))
 
     def step(params, opt_state, tokens_BT):

@@ -44,6 +44,15 @@ def test_shapes_and_hf_names(model):
         assert name in names
 
 
+@pytest.mark.parametrize("sl", [slice(None, -1), slice(3, None), slice(2, 5)])
+def test_logits_slice_equals_slicing_all_logits(model, sl):
+    tokens_BT, mask_BT = _tokens((2, 7)), jnp.asarray([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    full = _fwd(model, tokens_BT, None, mask_BT)
+    part = jax.jit(lambda m, t, a: m(t, None, a, logits_slice=sl))(model, tokens_BT, mask_BT)
+    assert part.shape == full[:, sl].shape
+    np.testing.assert_allclose(part, full[:, sl], atol=1e-6)
+
+
 def test_padded_rows_get_their_unpadded_logits(model):
     T = 7
     rows = [np.asarray(_tokens((1, n), seed=i))[0] for i, n in enumerate([7, 3])]

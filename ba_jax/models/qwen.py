@@ -579,6 +579,42 @@ class Attention(nnx.Module):
         return self.o_proj(o_BTNH), kv
 
 
+_FUSED_SWIGLU = True
+
+
+@jax.custom_vjp
+def _swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """silu(g) * u, computed in float32 and rounded like PyTorch's bf16 ops: silu(g) once to
+    g's dtype, the product once more.
+
+    Written plainly in bf16, XLA evaluates silu op by op with a bf16 rounding after each and
+    autodiff keeps sigmoid(g) and silu(g) as residuals: five [tokens, intermediate] passes
+    forward and backward. Here the forward is one fused pass, and the backward one more that
+    recomputes sigmoid from g (its only residuals are g and u, the projections' outputs).
+    """
+    g32 = g.astype(jnp.float32)
+    s = (g32 * jax.nn.sigmoid(g32)).astype(g.dtype)
+    return (s.astype(jnp.float32) * u.astype(jnp.float32)).astype(g.dtype)
+
+
+def _swiglu_fwd(g, u):
+    return _swiglu(g, u), (g, u)
+
+
+def _swiglu_bwd(res, dh):
+    g, u = res
+    g32, dh32 = g.astype(jnp.float32), dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    s = (g32 * sig).astype(g.dtype).astype(jnp.float32)
+    du = (dh32 * s).astype(u.dtype)
+    ds = (dh32 * u.astype(jnp.float32)).astype(g.dtype).astype(jnp.float32)
+    dg = ds * sig * (1.0 + g32 * (1.0 - sig))
+    return dg.astype(g.dtype), du
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -590,6 +626,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear((F,), (D,), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        if _FUSED_SWIGLU:
+            return self.down_proj(_swiglu(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
 
@@ -662,8 +700,15 @@ class Qwen(nnx.Module):
         return _mm(x_BTD, self.lm_head.kernel[...], (0,))
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 attn_mask_BT: jax.Array | None = None) -> jax.Array:
-        """Full causal forward -> float32 logits [B, T, V]."""
+                 attn_mask_BT: jax.Array | None = None, *,
+                 logits_slice: slice | None = None) -> jax.Array:
+        """Full causal forward -> float32 logits [B, T, V].
+
+        `logits_slice` (a static slice of the T positions) returns only those positions'
+        logits, [B, len(range(T)[logits_slice]), V]: the final norm and the output projection
+        then run on those hidden states only, not on all T and sliced after (a trainer scoring
+        responses skips the prompt positions, and a next-token loss the last one).
+        """
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
         if positions_BT is None:
@@ -676,6 +721,8 @@ class Qwen(nnx.Module):
         x_BTD = self._embed(tokens_BT)
         for layer in self.layers:
             x_BTD = run(layer, x_BTD, sin_BTH, cos_BTH, mask_BTS)
+        if logits_slice is not None:
+            x_BTD = x_BTD[:, logits_slice]
         return self._logits(x_BTD)
 
     def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
