@@ -8,6 +8,7 @@ set by nothing but a user who wants to insist; CI builds it through the Makefile
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import jax
@@ -329,6 +330,71 @@ def test_attention_kernel_matches_xla_forward_and_backward(dtype, B, T, N, K, H)
 
 @needs_attention
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 37), (2, 5, 4096 + 16 * 1024 + 7)])
+def test_swiglu_kernel_matches_xla_forward_and_backward(dtype, shape):
+    """Tails shorter than a vector and than a work unit; values where sigmoid saturates."""
+    ks = jax.random.split(jax.random.key(shape[-1]), 3)
+    g = (jax.random.normal(ks[0], shape) * 8).at[..., :4].set(
+        jnp.array([-100.0, -90.0, 90.0, 0.0])).astype(dtype)
+    u, dh = (jax.random.normal(r, shape, dtype) for r in ks[1:])
+    want, vjp = jax.vjp(lambda g, u: qwen._swiglu_vjp(g, u, False), g, u)
+    got = jax.jit(native.swiglu)(g, u)
+    got_grads = jax.jit(native.swiglu_grad)(g, u, dh)
+    assert got.dtype == dtype and all(x.dtype == dtype for x in got_grads)
+    # float32: exp and the division differ from XLA's in the last bit; bfloat16: the same
+    # roundings, so equal but for a float32 value that rounds the other way
+    for a, b in [(got, want), *zip(got_grads, vjp(dh))]:
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert np.mean(a != b) < 1e-3
+            np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=1e-30)
+
+
+@needs_attention
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 37), (2, 300, 64), (70, 512)])
+def test_rms_norm_kernel_matches_xla_forward_and_backward(dtype, shape):
+    """Rows shorter than a vector and with a tail, several work units (the scale gradient
+    summed over their partial sums), a zero row (eps only)."""
+    ks = jax.random.split(jax.random.key(shape[-1]), 3)
+    x = (jax.random.normal(ks[0], shape) * 3).at[0].set(0.0).astype(dtype)
+    scale = 1.0 + 0.1 * jax.random.normal(ks[1], shape[-1:])
+    dy = jax.random.normal(ks[2], shape, dtype)
+    norm = qwen.RMSNorm(shape[-1], eps=1e-6, dtype=dtype, param_dtype=jnp.float32)
+    norm.scale[...] = scale
+
+    def xla(x, scale):
+        with qwen.native_matmul(False):
+            return nnx.merge(nnx.graphdef(norm), nnx.State({"scale": nnx.Param(scale)}))(x)
+
+    want, vjp = jax.vjp(xla, x, scale)
+    got = jax.jit(functools.partial(native.rms_norm, eps=1e-6))(x, scale)
+    dx, dscale = jax.jit(functools.partial(native.rms_norm_grad, eps=1e-6))(x, scale, dy)
+    want_dx, want_dscale = vjp(dy)
+    assert got.dtype == dx.dtype == dtype and dscale.dtype == jnp.float32
+    np.testing.assert_allclose(dscale, want_dscale, rtol=1e-5, atol=1e-5)
+    for a, b in [(got, want), (dx, want_dx)]:
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert np.mean(a != b) < 1e-3
+            np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=1e-30)
+
+
+def test_swiglu_rejects_mismatched_operands():
+    if not native.attention_available():
+        pytest.skip("kernel not built with AVX-512")
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native.swiglu(jnp.ones((2, 3)), jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native.swiglu_grad(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((2, 3), jnp.bfloat16))
+
+
+@needs_attention
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_model_with_native_attention_matches_xla(dtype):
     """The model's training forward and its parameter gradients, with the kernel (and AMX
     products where available) against XLA only, on a padded batch."""
@@ -343,10 +409,14 @@ def test_model_with_native_attention_matches_xla(dtype):
                 logits = nnx.merge(graphdef, params)(tokens, attn_mask_BT=valid)
             return jnp.mean(jnp.where(valid[..., None], logits, 0.0) ** 2)
         f = jax.jit(jax.value_and_grad(loss))
-        return f(params), f.lower(params).as_text().count("ba_attention")
+        text = f.lower(params).as_text()
+        return f(params), tuple(text.count(f"ba_{k}") for k in ("attention", "swiglu",
+                                                                   "rms_norm"))
 
     ((l1, g1), calls1), ((l0, g0), calls0) = run(True), run(False)
-    assert calls1 == 2 * 2 and calls0 == 0  # forward and backward of each layer
+    # forward and backward of each layer's attention, SwiGLU and four norms (input,
+    # post-attention, q, k), and of the final norm
+    assert calls1 == (2 * 2, 2 * 2, 2 * (2 * 4 + 1)) and calls0 == (0, 0, 0)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(float(l1), float(l0), rtol=tol)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):

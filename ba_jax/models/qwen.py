@@ -396,11 +396,33 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        scale32 = self.scale[...].astype(jnp.float32)
+        if x.dtype == self.dtype and _use_native_elementwise(x.dtype):
+            return _native_rms_norm(x, scale32, self.eps)
         x32 = x.astype(jnp.float32)
         x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # Scaled in float32, rounded once: the scale's gradient is then a float32 sum over
         # tokens (a bf16 one becomes a slow reduce-window on XLA:CPU).
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        return (x32 * scale32).astype(self.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _native_rms_norm(x, scale32, eps):
+    """RMSNorm on the CPU kernel (`native.rms_norm`): one pass forward and one backward
+    instead of XLA's several; same numerics as the XLA path."""
+    return native_kernels.rms_norm(x, scale32, eps=eps)
+
+
+def _native_rms_norm_fwd(x, scale32, eps):
+    return _native_rms_norm(x, scale32, eps), (x, scale32)
+
+
+def _native_rms_norm_bwd(eps, res, dy):
+    x, scale32 = res
+    return native_kernels.rms_norm_grad(x, scale32, dy.astype(x.dtype), eps=eps)
+
+
+_native_rms_norm.defvjp(_native_rms_norm_fwd, _native_rms_norm_bwd)
 
 
 def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
@@ -524,6 +546,11 @@ def _use_native_attention(dtype) -> bool:
     return _native_enabled() and native_kernels.attention_available()
 
 
+def _use_native_elementwise(dtype) -> bool:
+    """The fused elementwise kernels (`native.swiglu`): as `_use_native_attention`."""
+    return _use_native_attention(dtype)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
 
@@ -579,30 +606,36 @@ class Attention(nnx.Module):
         return self.o_proj(o_BTNH), kv
 
 
-_FUSED_SWIGLU = True
-
-
-@jax.custom_vjp
 def _swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
     """silu(g) * u, computed in float32 and rounded like PyTorch's bf16 ops: silu(g) once to
-    g's dtype, the product once more.
+    g's dtype, the product once more; on the native CPU kernel (`native.swiglu`) under the
+    conditions of the native attention.
 
     Written plainly in bf16, XLA evaluates silu op by op with a bf16 rounding after each and
-    autodiff keeps sigmoid(g) and silu(g) as residuals: five [tokens, intermediate] passes
-    forward and backward. Here the forward is one fused pass, and the backward one more that
-    recomputes sigmoid from g (its only residuals are g and u, the projections' outputs).
+    autodiff keeps sigmoid(g) and silu(g) as residuals: several [tokens, intermediate] passes
+    forward and backward. Here the only residuals are g and u (the projections' outputs) and
+    the backward recomputes sigmoid(g).
     """
+    return _swiglu_vjp(g, u, _use_native_elementwise(g.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _swiglu_vjp(g, u, native: bool):
+    if native:
+        return native_kernels.swiglu(g, u)
     g32 = g.astype(jnp.float32)
     s = (g32 * jax.nn.sigmoid(g32)).astype(g.dtype)
     return (s.astype(jnp.float32) * u.astype(jnp.float32)).astype(g.dtype)
 
 
-def _swiglu_fwd(g, u):
-    return _swiglu(g, u), (g, u)
+def _swiglu_fwd(g, u, native):
+    return _swiglu_vjp(g, u, native), (g, u)
 
 
-def _swiglu_bwd(res, dh):
+def _swiglu_bwd(native, res, dh):
     g, u = res
+    if native:
+        return native_kernels.swiglu_grad(g, u, dh.astype(g.dtype))
     g32, dh32 = g.astype(jnp.float32), dh.astype(jnp.float32)
     sig = jax.nn.sigmoid(g32)
     s = (g32 * sig).astype(g.dtype).astype(jnp.float32)
@@ -612,7 +645,7 @@ def _swiglu_bwd(res, dh):
     return dg.astype(g.dtype), du
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_swiglu_vjp.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):
@@ -626,9 +659,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear((F,), (D,), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        if _FUSED_SWIGLU:
-            return self.down_proj(_swiglu(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+        return self.down_proj(_swiglu(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
 
 
 class DecoderLayer(nnx.Module):

@@ -9,6 +9,9 @@ registering the kernels, and their Python call wrappers. Three kernels:
 * `attention` / `attention_grad`, the training forward's masked self-attention and its
   gradients (attention.cc), used by `Qwen.__call__` on one CPU device when the library was
   compiled with AVX-512;
+* `swiglu` / `swiglu_grad` and `rms_norm` / `rms_norm_grad`, the MLP's silu(g) * u and
+  RMSNorm with their gradients, one pass each (elementwise.cc), under the same conditions
+  as `attention`;
 * `matmul_amx`, a bfloat16 x bfloat16 -> float32 matrix product on Intel AMX tiles
   (matmul_amx.cc), used by the model's bf16 projections when the processor has AMX, and
   `pack_amx` / `matmul_amx_packed`, the same product with the weight packed once (the
@@ -36,11 +39,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc", _HERE / "attention.cc")
+SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc", _HERE / "attention.cc",
+           _HERE / "elementwise.cc")
 HEADERS = (_HERE / "simd.h", _HERE / "parallel.h")
 LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
@@ -50,6 +55,10 @@ _TARGET_PACK = "ba_pack_amx"
 _TARGET_MATMUL_PACKED = "ba_matmul_amx_packed"
 _TARGET_ATTENTION = "ba_attention"
 _TARGET_ATTENTION_GRAD = "ba_attention_grad"
+_TARGET_SWIGLU = "ba_swiglu"
+_TARGET_SWIGLU_GRAD = "ba_swiglu_grad"
+_TARGET_RMS_NORM = "ba_rms_norm"
+_TARGET_RMS_NORM_GRAD = "ba_rms_norm_grad"
 _DISABLE_ENV = "BA_JAX_NO_NATIVE"  # set to 1 to force the XLA path (tests compare both)
 
 
@@ -83,7 +92,11 @@ def _library() -> ctypes.CDLL | None:
                                (_TARGET_PACK, lib.BaPackAmx),
                                (_TARGET_MATMUL_PACKED, lib.BaMatmulAmxPacked),
                                (_TARGET_ATTENTION, lib.BaAttentionForward),
-                               (_TARGET_ATTENTION_GRAD, lib.BaAttentionBackward)):
+                               (_TARGET_ATTENTION_GRAD, lib.BaAttentionBackward),
+                               (_TARGET_SWIGLU, lib.BaSwigluForward),
+                               (_TARGET_SWIGLU_GRAD, lib.BaSwigluBackward),
+                               (_TARGET_RMS_NORM, lib.BaRmsNormForward),
+                               (_TARGET_RMS_NORM_GRAD, lib.BaRmsNormBackward)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, AttributeError, ValueError) as err:
         log.warning("native kernels unavailable (%s); using the XLA path", err)
@@ -239,6 +252,59 @@ def attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o_BTNH, d
     return call(q_BTNH, k_BTKH, v_BTKH, mask_BTS.astype(bool), sin_BTH.astype(jnp.float32),
                 cos_BTH.astype(jnp.float32), o_BTNH.astype(jnp.float32),
                 do_BTNH.astype(q_BTNH.dtype))
+
+
+def _check_swiglu(*arrays) -> None:
+    if not attention_available():
+        raise RuntimeError("native swiglu unavailable (library not built with AVX-512, "
+                           "not on the CPU, or BA_JAX_NO_NATIVE=1)")
+    a = arrays[0]
+    if a.dtype not in (jnp.float32, jnp.bfloat16) or any(
+            x.shape != a.shape or x.dtype != a.dtype for x in arrays):
+        raise ValueError("swiglu: operands must share one shape and dtype, f32 or bf16; got "
+                         + ", ".join(f"{x.dtype}{x.shape}" for x in arrays))
+
+
+def swiglu(g, u) -> jax.Array:
+    """silu(g) * u in float32, silu(g) and the product each rounded to the operands' dtype
+    (elementwise.cc; one pass over memory)."""
+    _check_swiglu(g, u)
+    return jax.ffi.ffi_call(_TARGET_SWIGLU, jax.ShapeDtypeStruct(g.shape, g.dtype))(g, u)
+
+
+def swiglu_grad(g, u, dh) -> tuple[jax.Array, jax.Array]:
+    """(dg, du) of `swiglu` for the cotangent dh, in the operands' dtype; sigmoid(g) is
+    recomputed."""
+    _check_swiglu(g, u, dh)
+    out = jax.ShapeDtypeStruct(g.shape, g.dtype)
+    return jax.ffi.ffi_call(_TARGET_SWIGLU_GRAD, (out, out))(g, u, dh)
+
+
+def _check_rms_norm(x, scale, *more) -> None:
+    if not attention_available():
+        raise RuntimeError("native rms_norm unavailable (library not built with AVX-512, "
+                           "not on the CPU, or BA_JAX_NO_NATIVE=1)")
+    if (x.dtype not in (jnp.float32, jnp.bfloat16) or x.ndim < 1 or scale.shape != x.shape[-1:]
+            or any(m.shape != x.shape or m.dtype != x.dtype for m in more)):
+        raise ValueError(f"rms_norm: x {x.dtype}{x.shape} must be f32 or bf16 [..., H] with a "
+                         f"scale [H] (got {scale.shape})"
+                         + "".join(f" and dy {m.dtype}{m.shape} like x" for m in more))
+
+
+def rms_norm(x, scale, *, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2, last axis) + eps) * scale, in float32, rounded once to x's dtype
+    (elementwise.cc; one pass per row)."""
+    _check_rms_norm(x, scale)
+    call = jax.ffi.ffi_call(_TARGET_RMS_NORM, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return call(x, scale.astype(jnp.float32), eps=np.float32(eps))
+
+
+def rms_norm_grad(x, scale, dy, *, eps: float) -> tuple[jax.Array, jax.Array]:
+    """(dx in x's dtype, dscale float32 [H]) of `rms_norm` for the cotangent dy (x's dtype)."""
+    _check_rms_norm(x, scale, dy)
+    call = jax.ffi.ffi_call(_TARGET_RMS_NORM_GRAD, (
+        jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(scale.shape, jnp.float32)))
+    return call(x, scale.astype(jnp.float32), dy, eps=np.float32(eps))
 
 
 def decode_attention(q_BNH, k_new_BKH, v_new_BKH, k_cache_BKHS, v_cache_BKSH, mask_BS, index,

@@ -48,4 +48,27 @@ inline __m512 RoundBf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, u));
 }
 
+// x rounded to the element type of the tag: float32 (identity) or bfloat16 (uint16_t).
+inline __m512 Round(__m512 x, float) { return x; }
+inline __m512 Round(__m512 x, uint16_t) { return RoundBf16(x); }
+
+// Up to 16 float32 lanes stored at p (n < 16: the first n), as float32 or as bfloat16
+// (rounded to nearest even).
+inline void Store16(float* p, __m512 x, int64_t n) {
+  if (n >= 16) {
+    _mm512_storeu_ps(p, x);
+  } else {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), x);
+  }
+}
+inline void Store16(uint16_t* p, __m512 x, int64_t n) {
+  const __m256i h =
+      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(RoundBf16(x)), 16));
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  } else {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), h);
+  }
+}
+
 #endif  // AVX-512
