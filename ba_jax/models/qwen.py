@@ -208,8 +208,14 @@ def packed_weights(model: "Qwen", *, unsharded: bool = False):
     packed products."""
     packed: dict[int, tuple[Any, Any]] = {}
     if model.dtype == jnp.bfloat16 and _native_matmul_enabled(unsharded):
-        for _, module in nnx.iter_modules(model):
-            if isinstance(module, Linear):
+        modules = [m for _, m in nnx.iter_modules(model)]
+        # gate and up run as one product (MLP.gate_up): pack that, not the two kernels
+        fused = {id(p) for m in modules if isinstance(m, MLP) for p in (m.gate_proj, m.up_proj)}
+        for module in modules:
+            if isinstance(module, MLP):
+                packed[id(module)] = (module, native_kernels.pack_amx(
+                    module.gate_up_kernel().astype(jnp.bfloat16)))
+            elif isinstance(module, Linear) and id(module) not in fused:
                 w = module.kernel[...]
                 k = math.prod(w.shape[:module.n_in])
                 packed[id(module)] = (module, native_kernels.pack_amx(
@@ -606,43 +612,45 @@ class Attention(nnx.Module):
         return self.o_proj(o_BTNH), kv
 
 
-def _swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
-    """silu(g) * u, computed in float32 and rounded like PyTorch's bf16 ops: silu(g) once to
-    g's dtype, the product once more; on the native CPU kernel (`native.swiglu`) under the
-    conditions of the native attention.
+def _swiglu(gu: jax.Array) -> jax.Array:
+    """silu(g) * u for gu = [g, u] along the last axis, computed in float32 and rounded like
+    PyTorch's bf16 ops: silu(g) once to gu's dtype, the product once more; on the native CPU
+    kernel (`native.swiglu`) under the conditions of the native attention.
 
     Written plainly in bf16, XLA evaluates silu op by op with a bf16 rounding after each and
     autodiff keeps sigmoid(g) and silu(g) as residuals: several [tokens, intermediate] passes
-    forward and backward. Here the only residuals are g and u (the projections' outputs) and
-    the backward recomputes sigmoid(g).
+    forward and backward. Here the only residual is gu (the gate/up product) and the
+    backward recomputes sigmoid(g) and writes [dg, du] as one array, the cotangent of that
+    product.
     """
-    return _swiglu_vjp(g, u, _use_native_elementwise(g.dtype))
+    return _swiglu_vjp(gu, _use_native_elementwise(gu.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _swiglu_vjp(g, u, native: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _swiglu_vjp(gu, native: bool):
     if native:
-        return native_kernels.swiglu(g, u)
-    g32 = g.astype(jnp.float32)
-    s = (g32 * jax.nn.sigmoid(g32)).astype(g.dtype)
-    return (s.astype(jnp.float32) * u.astype(jnp.float32)).astype(g.dtype)
+        return native_kernels.swiglu(gu)
+    g, u = jnp.split(gu.astype(jnp.float32), 2, axis=-1)
+    s = (g * jax.nn.sigmoid(g)).astype(gu.dtype)
+    return (s.astype(jnp.float32) * u).astype(gu.dtype)
 
 
-def _swiglu_fwd(g, u, native):
-    return _swiglu_vjp(g, u, native), (g, u)
+def _swiglu_fwd(gu, native):
+    return _swiglu_vjp(gu, native), gu
 
 
-def _swiglu_bwd(native, res, dh):
-    g, u = res
+def _swiglu_bwd(native, gu, dh):
+    dh = dh.astype(gu.dtype)
     if native:
-        return native_kernels.swiglu_grad(g, u, dh.astype(g.dtype))
-    g32, dh32 = g.astype(jnp.float32), dh.astype(jnp.float32)
-    sig = jax.nn.sigmoid(g32)
-    s = (g32 * sig).astype(g.dtype).astype(jnp.float32)
-    du = (dh32 * s).astype(u.dtype)
-    ds = (dh32 * u.astype(jnp.float32)).astype(g.dtype).astype(jnp.float32)
-    dg = ds * sig * (1.0 + g32 * (1.0 - sig))
-    return dg.astype(g.dtype), du
+        return (native_kernels.swiglu_grad(gu, dh),)
+    g, u = jnp.split(gu.astype(jnp.float32), 2, axis=-1)
+    dh32 = dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    s = (g * sig).astype(gu.dtype).astype(jnp.float32)
+    du = dh32 * s
+    ds = (dh32 * u).astype(gu.dtype).astype(jnp.float32)
+    dg = ds * sig * (1.0 + g * (1.0 - sig))
+    return (jnp.concatenate([dg, du], axis=-1).astype(gu.dtype),)
 
 
 _swiglu_vjp.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -659,7 +667,22 @@ class MLP(nnx.Module):
         self.down_proj = Linear((F,), (D,), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(_swiglu(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
+        return self.down_proj(_swiglu(self.gate_up(x_BTD)))
+
+    def gate_up_kernel(self) -> jax.Array:
+        """[D, 2F]: the gate and up kernels side by side, in their parameter dtype."""
+        return jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=-1)
+
+    def gate_up(self, x_BTD: jax.Array) -> jax.Array:
+        """[gate(x), up(x)] [B, T, 2F] in the compute dtype, as one product by the
+        concatenated kernels: one pass over x forward, one input gradient (no sum of two) and
+        one weight-gradient product backward, instead of two of each."""
+        dtype = self.gate_proj.dtype
+        out_shape = (2 * self.gate_proj.kernel[...].shape[-1],)
+        y = _packed_mm(self, x_BTD, 1, out_shape, dtype)
+        if y is None:
+            y = _mm(x_BTD.astype(dtype), self.gate_up_kernel(), (0,), dtype)
+        return y
 
 
 class DecoderLayer(nnx.Module):

@@ -9,8 +9,8 @@ registering the kernels, and their Python call wrappers. Three kernels:
 * `attention` / `attention_grad`, the training forward's masked self-attention and its
   gradients (attention.cc), used by `Qwen.__call__` on one CPU device when the library was
   compiled with AVX-512;
-* `swiglu` / `swiglu_grad` and `rms_norm` / `rms_norm_grad`, the MLP's silu(g) * u and
-  RMSNorm with their gradients, one pass each (elementwise.cc), under the same conditions
+* `swiglu` / `swiglu_grad` and `rms_norm` / `rms_norm_grad`, the MLP's silu(g) * u (g and
+  u the halves of one product) and RMSNorm with their gradients, one pass each (elementwise.cc), under the same conditions
   as `attention`;
 * `matmul_amx`, a bfloat16 x bfloat16 -> float32 matrix product on Intel AMX tiles
   (matmul_amx.cc), used by the model's bf16 projections when the processor has AMX, and
@@ -254,30 +254,32 @@ def attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o_BTNH, d
                 do_BTNH.astype(q_BTNH.dtype))
 
 
-def _check_swiglu(*arrays) -> None:
+def _check_swiglu(gu, *dh) -> None:
     if not attention_available():
         raise RuntimeError("native swiglu unavailable (library not built with AVX-512, "
                            "not on the CPU, or BA_JAX_NO_NATIVE=1)")
-    a = arrays[0]
-    if a.dtype not in (jnp.float32, jnp.bfloat16) or any(
-            x.shape != a.shape or x.dtype != a.dtype for x in arrays):
-        raise ValueError("swiglu: operands must share one shape and dtype, f32 or bf16; got "
-                         + ", ".join(f"{x.dtype}{x.shape}" for x in arrays))
+    if (gu.dtype not in (jnp.float32, jnp.bfloat16) or gu.ndim < 1 or gu.shape[-1] % 2
+            or any(d.shape != (*gu.shape[:-1], gu.shape[-1] // 2) or d.dtype != gu.dtype
+                   for d in dh)):
+        raise ValueError(f"swiglu: gu {gu.dtype}{gu.shape} must be f32 or bf16 [..., 2F]"
+                         + "".join(f" and dh {d.dtype}{d.shape} [..., F] of its dtype"
+                                   for d in dh))
 
 
-def swiglu(g, u) -> jax.Array:
-    """silu(g) * u in float32, silu(g) and the product each rounded to the operands' dtype
-    (elementwise.cc; one pass over memory)."""
-    _check_swiglu(g, u)
-    return jax.ffi.ffi_call(_TARGET_SWIGLU, jax.ShapeDtypeStruct(g.shape, g.dtype))(g, u)
+def swiglu(gu) -> jax.Array:
+    """silu(g) * u for gu = [g, u] along the last axis ([..., 2F] -> [..., F]), in float32,
+    silu(g) and the product each rounded to gu's dtype (elementwise.cc; one pass)."""
+    _check_swiglu(gu)
+    out = jax.ShapeDtypeStruct((*gu.shape[:-1], gu.shape[-1] // 2), gu.dtype)
+    return jax.ffi.ffi_call(_TARGET_SWIGLU, out)(gu)
 
 
-def swiglu_grad(g, u, dh) -> tuple[jax.Array, jax.Array]:
-    """(dg, du) of `swiglu` for the cotangent dh, in the operands' dtype; sigmoid(g) is
-    recomputed."""
-    _check_swiglu(g, u, dh)
-    out = jax.ShapeDtypeStruct(g.shape, g.dtype)
-    return jax.ffi.ffi_call(_TARGET_SWIGLU_GRAD, (out, out))(g, u, dh)
+def swiglu_grad(gu, dh) -> jax.Array:
+    """d(swiglu)/d(gu) for the cotangent dh [..., F]: [dg, du] [..., 2F] in gu's dtype;
+    sigmoid(g) is recomputed."""
+    _check_swiglu(gu, dh)
+    return jax.ffi.ffi_call(_TARGET_SWIGLU_GRAD, jax.ShapeDtypeStruct(gu.shape, gu.dtype))(
+        gu, dh)
 
 
 def _check_rms_norm(x, scale, *more) -> None:

@@ -6,11 +6,13 @@
 // over memory per norm or activation on each side (together about a fifth of the bf16 train
 // step of the benchmark model). Here each side is one pass over its operands.
 //
-// SwiGLU, h = silu(g) * u. Numerics (D = float32 or bfloat16; round = to D, to nearest
+// SwiGLU, h = silu(g) * u, with g and u the two halves of the last axis of gu [..., 2F] (the
+// output of one product by the concatenated gate and up weights). Numerics (D = float32 or bfloat16; round = to D, to nearest
 // even, identity for float32), as PyTorch's bf16 ops and `qwen._swiglu`: all in float32,
 //   sig = 1 / (1 + exp(-g)),  s = round(g sig),  h = round(s u)
 //   du = round(dh s),  ds = round(dh u),  dg = round(ds sig (1 + g (1 - sig)))
-// g, u, dh, h, dg, du all have one shape and dtype D; sigmoid(g) is recomputed backward.
+// h, dh [..., F]; the gradient dgu [..., 2F] = (dg, du); all of dtype D; sigmoid(g) is
+// recomputed backward.
 //
 // RMSNorm over the last axis (H) of x [..., H] D with a float32 scale [H], as `qwen.RMSNorm`:
 //   r = 1 / sqrt(mean(x^2) + eps),  y = round((x r) scale)
@@ -23,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -54,81 +55,97 @@ inline __m512 Sigmoid16(__m512 g) {
   return _mm512_div_ps(one, _mm512_add_ps(one, Exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
+// Rows [r0, r1) of gu [rows, 2F] (gate then up) -> h [rows, F].
 template <typename T>
-void ForwardRun(const T* g, const T* u, T* h, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; i += 16) {
-    const int64_t n = std::min<int64_t>(16, i1 - i);
-    const __m512 gv = Load16(g + i, n);
-    const __m512 s = Round(_mm512_mul_ps(gv, Sigmoid16(gv)), T{});
-    Store16(h + i, _mm512_mul_ps(s, Load16(u + i, n)), n);
-  }
-}
-
-template <typename T>
-void BackwardRun(const T* g, const T* u, const T* dh, T* dg, T* du, int64_t i0, int64_t i1) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = i0; i < i1; i += 16) {
-    const int64_t n = std::min<int64_t>(16, i1 - i);
-    const __m512 gv = Load16(g + i, n), dhv = Load16(dh + i, n);
-    const __m512 sig = Sigmoid16(gv);
-    const __m512 s = Round(_mm512_mul_ps(gv, sig), T{});
-    Store16(du + i, _mm512_mul_ps(dhv, s), n);
-    const __m512 ds = Round(_mm512_mul_ps(dhv, Load16(u + i, n)), T{});
-    // sig (1 + g (1 - sig)): the derivative of g sig
-    const __m512 dsilu = _mm512_mul_ps(sig, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, sig), one));
-    Store16(dg + i, _mm512_mul_ps(ds, dsilu), n);
-  }
-}
-
-ffi::Error CheckSame(const char* name, std::initializer_list<ffi::AnyBuffer> args) {
-  const ffi::AnyBuffer& first = *args.begin();
-  if (first.element_type() != ffi::F32 && first.element_type() != ffi::BF16) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": operands must be f32 or bf16");
-  }
-  for (const ffi::AnyBuffer& b : args) {
-    if (b.element_type() != first.element_type() || b.element_count() != first.element_count()) {
-      return ffi::Error::InvalidArgument(std::string(name) +
-                                         ": operands must share one shape and dtype");
+void ForwardRows(const T* gu, T* h, int64_t f, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T *g = gu + r * 2 * f, *u = g + f;
+    for (int64_t i = 0; i < f; i += 16) {
+      const int64_t n = std::min<int64_t>(16, f - i);
+      const __m512 gv = Load16(g + i, n);
+      const __m512 s = Round(_mm512_mul_ps(gv, Sigmoid16(gv)), T{});
+      Store16(h + r * f + i, _mm512_mul_ps(s, Load16(u + i, n)), n);
     }
   }
+}
+
+// Rows [r0, r1): gu [rows, 2F], dh [rows, F] -> dgu [rows, 2F] (dg then du).
+template <typename T>
+void BackwardRows(const T* gu, const T* dh, T* dgu, int64_t f, int64_t r0, int64_t r1) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T *g = gu + r * 2 * f, *u = g + f, *dhr = dh + r * f;
+    T *dg = dgu + r * 2 * f, *du = dg + f;
+    for (int64_t i = 0; i < f; i += 16) {
+      const int64_t n = std::min<int64_t>(16, f - i);
+      const __m512 gv = Load16(g + i, n), dhv = Load16(dhr + i, n);
+      const __m512 sig = Sigmoid16(gv);
+      const __m512 s = Round(_mm512_mul_ps(gv, sig), T{});
+      Store16(du + i, _mm512_mul_ps(dhv, s), n);
+      const __m512 ds = Round(_mm512_mul_ps(dhv, Load16(u + i, n)), T{});
+      // sig (1 + g (1 - sig)): the derivative of g sig
+      const __m512 dsilu = _mm512_mul_ps(sig, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, sig), one));
+      Store16(dg + i, _mm512_mul_ps(ds, dsilu), n);
+    }
+  }
+}
+
+// Rows per work unit for rows of f elements: about kRun elements.
+int64_t UnitRows(int64_t f) { return std::max<int64_t>(1, kRun / std::max<int64_t>(f, 1)); }
+
+// gu [..., 2F] and h (or dh) [..., F] of one dtype, f32 or bf16 -> rows and F.
+ffi::Error CheckSwiglu(const char* name, const ffi::AnyBuffer& gu, const ffi::AnyBuffer& h,
+                       int64_t& rows, int64_t& f) {
+  const auto gd = gu.dimensions(), hd = h.dimensions();
+  bool ok = (gu.element_type() == ffi::F32 || gu.element_type() == ffi::BF16) &&
+            h.element_type() == gu.element_type() && gd.size() >= 1 &&
+            gd.size() == hd.size() && hd.back() * 2 == gd.back();
+  for (size_t i = 0; ok && i + 1 < gd.size(); ++i) ok = gd[i] == hd[i];
+  if (!ok) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": gu must be [..., 2F] and h [..., F], one dtype, "
+                                       "f32 or bf16");
+  }
+  f = hd.back();
+  rows = f == 0 ? 0 : h.element_count() / f;
   return ffi::Error::Success();
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer u,
-                   ffi::Result<ffi::AnyBuffer> h) {
-  if (auto err = CheckSame("swiglu", {g, u}); err.failure()) return err;
-  const int64_t n = g.element_count();
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer gu, ffi::Result<ffi::AnyBuffer> h) {
+  int64_t rows, f;
+  if (auto err = CheckSwiglu("swiglu", gu, *h, rows, f); err.failure()) return err;
+  const int64_t per = UnitRows(f);
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const T *gp = In<T>(g), *up = In<T>(u);
+    const T* gp = In<T>(gu);
     T* hp = Out<T>(h);
-    ba_native::ParallelFor(pool, (n + kRun - 1) / kRun, [=](int64_t j) {
-      ForwardRun(gp, up, hp, j * kRun, std::min(n, (j + 1) * kRun));
+    ba_native::ParallelFor(pool, (rows + per - 1) / per, [=](int64_t j) {
+      ForwardRows(gp, hp, f, j * per, std::min(rows, (j + 1) * per));
     });
   };
-  if (g.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
+  if (gu.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
   return ffi::Error::Success();
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer u,
-                    ffi::AnyBuffer dh, ffi::Result<ffi::AnyBuffer> dg,
-                    ffi::Result<ffi::AnyBuffer> du) {
-  if (auto err = CheckSame("swiglu backward", {g, u, dh}); err.failure()) return err;
-  const int64_t n = g.element_count();
+ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer gu, ffi::AnyBuffer dh,
+                    ffi::Result<ffi::AnyBuffer> dgu) {
+  int64_t rows, f;
+  if (auto err = CheckSwiglu("swiglu backward", gu, dh, rows, f); err.failure()) return err;
+  if (dgu->element_count() != gu.element_count()) {
+    return ffi::Error::InvalidArgument("swiglu backward: dgu must match gu");
+  }
+  const int64_t per = UnitRows(f);
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const T *gp = In<T>(g), *up = In<T>(u), *dhp = In<T>(dh);
-    T *dgp = Out<T>(dg), *dup = Out<T>(du);
-    ba_native::ParallelFor(pool, (n + kRun - 1) / kRun, [=](int64_t j) {
-      BackwardRun(gp, up, dhp, dgp, dup, j * kRun, std::min(n, (j + 1) * kRun));
+    const T *gp = In<T>(gu), *dhp = In<T>(dh);
+    T* dp = Out<T>(dgu);
+    ba_native::ParallelFor(pool, (rows + per - 1) / per, [=](int64_t j) {
+      BackwardRows(gp, dhp, dp, f, j * per, std::min(rows, (j + 1) * per));
     });
   };
-  if (g.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
+  if (gu.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
   return ffi::Error::Success();
 }
-
-// Rows per work unit of the norm: about kRun elements.
-int64_t NormRows(int64_t h) { return std::max<int64_t>(1, kRun / std::max<int64_t>(h, 1)); }
 
 inline float Sum16(__m512 x) { return _mm512_reduce_add_ps(x); }
 
@@ -200,7 +217,7 @@ ffi::Error NormForward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
   int64_t rows, h;
   if (auto err = CheckNorm("rms_norm", x, scale, rows, h); err.failure()) return err;
   const float* sp = scale.typed_data();
-  const int64_t per = NormRows(h);
+  const int64_t per = UnitRows(h);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* xp = In<T>(x);
@@ -222,7 +239,7 @@ ffi::Error NormBackward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return ffi::Error::InvalidArgument("rms_norm backward: dy must match x");
   }
   const float* sp = scale.typed_data();
-  const int64_t per = NormRows(h), units = (rows + per - 1) / per;
+  const int64_t per = UnitRows(h), units = (rows + per - 1) / per;
   // one partial scale gradient per unit, summed in unit order (deterministic)
   auto partial = std::make_shared<std::vector<float>>(units * h, 0.0f);
   float* pp = partial->data();
@@ -247,12 +264,12 @@ ffi::Error NormBackward(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
 
 #else  // no AVX-512: Python keeps XLA's ops (BaAttentionAvailable() == 0)
 
-ffi::Error Forward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) {
+ffi::Error Forward(ffi::ThreadPool, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) {
   return ffi::Error::InvalidArgument("swiglu kernel built without AVX-512");
 }
 
-ffi::Error Backward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                    ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>) {
+ffi::Error Backward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer,
+                    ffi::Result<ffi::AnyBuffer>) {
   return ffi::Error::InvalidArgument("swiglu kernel built without AVX-512");
 }
 
@@ -274,7 +291,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaSwigluForward, Forward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaSwigluBackward, Backward,
@@ -282,8 +298,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaSwigluBackward, Backward,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BaRmsNormForward, NormForward,
