@@ -171,8 +171,9 @@ _AMX_MIN_ROWS = 512
 def native_matmul(enabled: bool | None):
     """While tracing inside, the model's native CPU kernels are used iff `enabled` and they
     are available: bf16 projections of at least _AMX_MIN_ROWS rows on the AMX kernel
-    (`native.matmul_amx`) and the training forward's attention on `native.attention`.
-    None (the default outside): only when JAX sees a single device, because a custom call
+    (`native.matmul_amx`), the training forward's attention on `native.attention`, and the
+    SwiGLU activation and RMSNorms on `native.swiglu` / `native.rms_norm` (all with their
+    backward). None (the default outside): only when JAX sees a single device, because a custom call
     is not partitioned by XLA: a run that shards activations over a mesh must keep XLA's
     ops."""
     token = _NATIVE_MATMUL.set(enabled)
@@ -553,7 +554,8 @@ def _use_native_attention(dtype) -> bool:
 
 
 def _use_native_elementwise(dtype) -> bool:
-    """The fused elementwise kernels (`native.swiglu`): as `_use_native_attention`."""
+    """The fused elementwise kernels (`native.swiglu`, `native.rms_norm`): under the
+    conditions of `_use_native_attention` (same library, built with AVX-512)."""
     return _use_native_attention(dtype)
 
 

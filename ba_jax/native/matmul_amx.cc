@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -274,6 +276,66 @@ BA_AMX void Compute(const Plan& p, int64_t m0, int64_t m1, int64_t n0, int64_t n
   _tile_release();
 }
 
+// Scratch buffers kept between calls. A step of the training model makes ~150 products,
+// each packing ~1-6 MB; allocated afresh, glibc hands most of them back to the OS on free
+// and the next call page-faults them in again (~140,000 minor faults per bf16 train step
+// of the benchmark model, the kernels' scratch among them). A call takes the smallest free
+// buffer that fits (or allocates one) and returns it when its last unit finishes; at most
+// kKeep buffers and kKeepBytes are kept (the smallest are freed first).
+class ScratchPool {
+ public:
+  static std::shared_ptr<uint16_t[]> Get(int64_t elems) {
+    elems = std::max<int64_t>(elems, 1);
+    uint16_t* buf = nullptr;
+    int64_t size = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      auto& free = buffers();
+      auto best = free.end();
+      for (auto it = free.begin(); it != free.end(); ++it) {
+        if (it->first >= elems && (best == free.end() || it->first < best->first)) best = it;
+      }
+      if (best != free.end()) {
+        size = best->first;
+        buf = best->second;
+        free.erase(best);
+      }
+    }
+    if (buf == nullptr) {
+      size = elems;
+      buf = new (std::align_val_t(64)) uint16_t[size];
+    }
+    return std::shared_ptr<uint16_t[]>(buf, [size](uint16_t* x) { Put(size, x); });
+  }
+
+ private:
+  static constexpr size_t kKeep = 8;
+  static constexpr int64_t kKeepBytes = int64_t{256} << 20;
+  static void Put(int64_t size, uint16_t* buf) {
+    std::lock_guard<std::mutex> lock(mu());
+    auto& free = buffers();
+    free.emplace_back(size, buf);
+    auto bytes = [&] {
+      int64_t total = 0;
+      for (const auto& f : free) total += f.first * int64_t{sizeof(uint16_t)};
+      return total;
+    };
+    while (!free.empty() && (free.size() > kKeep || bytes() > kKeepBytes)) {
+      auto small = std::min_element(free.begin(), free.end());
+      ::operator delete[](small->second, std::align_val_t(64));
+      free.erase(small);
+    }
+  }
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<std::pair<int64_t, uint16_t*>>& buffers() {
+    static auto* b = new std::vector<std::pair<int64_t, uint16_t*>>();  // never destroyed
+    return *b;
+  }
+};
+
 // Allocates the scratch p needs (a padded copy of op(A) unless a is used in place, and the
 // packed op(B) when pack_b; otherwise p.b_pack is already set) and computes C over the
 // calling thread and the pool.
@@ -283,9 +345,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Plan p, bool pack_b) {
   // One allocation holds both scratch arrays; it lives until every unit has finished.
   const int64_t a_elems = a_in_place ? 0 : p.Mp * p.Kp;
   const int64_t b_elems = pack_b ? p.Np * p.Kp : 0;
-  auto scratch = std::shared_ptr<uint16_t[]>(
-      new (std::align_val_t(64)) uint16_t[std::max<int64_t>(a_elems + b_elems, 1)],
-      [](uint16_t* x) { ::operator delete[](x, std::align_val_t(64)); });
+  auto scratch = ScratchPool::Get(a_elems + b_elems);
   p.a_pad = a_in_place ? nullptr : scratch.get();
   p.a_rows = a_in_place ? p.a : p.a_pad;
   if (pack_b) p.b_pack = scratch.get() + a_elems;
