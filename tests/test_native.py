@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from ba_jax import native, sampler
-from ba_jax.models import qwen
+from ba_jax.models import fused, qwen
 
 pytestmark = pytest.mark.skipif(
     not native.decode_attention_available() and os.environ.get("BA_JAX_REQUIRE_NATIVE") != "1",
@@ -329,6 +329,18 @@ def test_attention_kernel_matches_xla_forward_and_backward(dtype, B, T, N, K, H)
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
+def _assert_elementwise_close(a, b, dtype):
+    """A fused kernel's result against XLA's. float32: exp, division and square root differ
+    from XLA's in the last bit; bfloat16: the same roundings, so equal but for a float32
+    value that rounds the other way."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        assert np.mean(a != b) < 1e-3
+        np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=1e-30)
+
+
 @needs_attention
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 37), (2, 5, 3000 + 7)])
@@ -340,19 +352,12 @@ def test_swiglu_kernel_matches_xla_forward_and_backward(dtype, shape):
         jnp.array([-100.0, -90.0, 90.0, 0.0]))
     gu = jnp.concatenate([g, jax.random.normal(ks[1], shape)], axis=-1).astype(dtype)
     dh = jax.random.normal(ks[2], shape, dtype)
-    want, vjp = jax.vjp(lambda gu: qwen._swiglu_vjp(gu, False), gu)
+    want, vjp = jax.vjp(lambda gu: fused.swiglu(gu, False), gu)
     got = jax.jit(native.swiglu)(gu)
     got_grad = jax.jit(native.swiglu_grad)(gu, dh)
     assert got.dtype == got_grad.dtype == dtype and got.shape == shape
-    # float32: exp and the division differ from XLA's in the last bit; bfloat16: the same
-    # roundings, so equal but for a float32 value that rounds the other way
     for a, b in [(got, want), (got_grad, vjp(dh)[0])]:
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        if dtype == jnp.float32:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        else:
-            assert np.mean(a != b) < 1e-3
-            np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=1e-30)
+        _assert_elementwise_close(a, b, dtype)
 
 
 @needs_attention
@@ -379,12 +384,7 @@ def test_rms_norm_kernel_matches_xla_forward_and_backward(dtype, shape):
     assert got.dtype == dx.dtype == dtype and dscale.dtype == jnp.float32
     np.testing.assert_allclose(dscale, want_dscale, rtol=1e-5, atol=1e-5)
     for a, b in [(got, want), (dx, want_dx)]:
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        if dtype == jnp.float32:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        else:
-            assert np.mean(a != b) < 1e-3
-            np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=1e-30)
+        _assert_elementwise_close(a, b, dtype)
 
 
 def test_swiglu_rejects_mismatched_operands():

@@ -52,6 +52,7 @@ from flax import nnx
 from jax import lax
 
 from ba_jax import native as native_kernels
+from ba_jax.models import fused
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform, not NaN, row
 
@@ -405,7 +406,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale32 = self.scale[...].astype(jnp.float32)
         if x.dtype == self.dtype and _use_native_elementwise(x.dtype):
-            return _native_rms_norm(x, scale32, self.eps)
+            return fused.rms_norm(x, scale32, self.eps)
         x32 = x.astype(jnp.float32)
         x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # Scaled in float32, rounded once: the scale's gradient is then a float32 sum over
@@ -413,23 +414,6 @@ class RMSNorm(nnx.Module):
         return (x32 * scale32).astype(self.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _native_rms_norm(x, scale32, eps):
-    """RMSNorm on the CPU kernel (`native.rms_norm`): one pass forward and one backward
-    instead of XLA's several; same numerics as the XLA path."""
-    return native_kernels.rms_norm(x, scale32, eps=eps)
-
-
-def _native_rms_norm_fwd(x, scale32, eps):
-    return _native_rms_norm(x, scale32, eps), (x, scale32)
-
-
-def _native_rms_norm_bwd(eps, res, dy):
-    x, scale32 = res
-    return native_kernels.rms_norm_grad(x, scale32, dy.astype(x.dtype), eps=eps)
-
-
-_native_rms_norm.defvjp(_native_rms_norm_fwd, _native_rms_norm_bwd)
 
 
 def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
@@ -614,48 +598,6 @@ class Attention(nnx.Module):
         return self.o_proj(o_BTNH), kv
 
 
-def _swiglu(gu: jax.Array) -> jax.Array:
-    """silu(g) * u for gu = [g, u] along the last axis, computed in float32 and rounded like
-    PyTorch's bf16 ops: silu(g) once to gu's dtype, the product once more; on the native CPU
-    kernel (`native.swiglu`) under the conditions of the native attention.
-
-    Written plainly in bf16, XLA evaluates silu op by op with a bf16 rounding after each and
-    autodiff keeps sigmoid(g) and silu(g) as residuals: several [tokens, intermediate] passes
-    forward and backward. Here the only residual is gu (the gate/up product) and the
-    backward recomputes sigmoid(g) and writes [dg, du] as one array, the cotangent of that
-    product.
-    """
-    return _swiglu_vjp(gu, _use_native_elementwise(gu.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _swiglu_vjp(gu, native: bool):
-    if native:
-        return native_kernels.swiglu(gu)
-    g, u = jnp.split(gu.astype(jnp.float32), 2, axis=-1)
-    s = (g * jax.nn.sigmoid(g)).astype(gu.dtype)
-    return (s.astype(jnp.float32) * u).astype(gu.dtype)
-
-
-def _swiglu_fwd(gu, native):
-    return _swiglu_vjp(gu, native), gu
-
-
-def _swiglu_bwd(native, gu, dh):
-    dh = dh.astype(gu.dtype)
-    if native:
-        return (native_kernels.swiglu_grad(gu, dh),)
-    g, u = jnp.split(gu.astype(jnp.float32), 2, axis=-1)
-    dh32 = dh.astype(jnp.float32)
-    sig = jax.nn.sigmoid(g)
-    s = (g * sig).astype(gu.dtype).astype(jnp.float32)
-    du = dh32 * s
-    ds = (dh32 * u).astype(gu.dtype).astype(jnp.float32)
-    dg = ds * sig * (1.0 + g * (1.0 - sig))
-    return (jnp.concatenate([dg, du], axis=-1).astype(gu.dtype),)
-
-
-_swiglu_vjp.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):
@@ -669,7 +611,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear((F,), (D,), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(_swiglu(self.gate_up(x_BTD)))
+        return self.down_proj(fused.swiglu(self.gate_up(x_BTD),
+                                           _use_native_elementwise(self.gate_proj.dtype)))
 
     def gate_up_kernel(self) -> jax.Array:
         """[D, 2F]: the gate and up kernels side by side, in their parameter dtype."""

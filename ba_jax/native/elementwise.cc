@@ -8,7 +8,7 @@
 //
 // SwiGLU, h = silu(g) * u, with g and u the two halves of the last axis of gu [..., 2F] (the
 // output of one product by the concatenated gate and up weights). Numerics (D = float32 or bfloat16; round = to D, to nearest
-// even, identity for float32), as PyTorch's bf16 ops and `qwen._swiglu`: all in float32,
+// even, identity for float32), as PyTorch's bf16 ops and `fused.swiglu`: all in float32,
 //   sig = 1 / (1 + exp(-g)),  s = round(g sig),  h = round(s u)
 //   du = round(dh s),  ds = round(dh u),  dg = round(ds sig (1 + g (1 - sig)))
 // h, dh [..., F]; the gradient dgu [..., 2F] = (dg, du); all of dtype D; sigmoid(g) is
