@@ -174,9 +174,9 @@ def native_matmul(enabled: bool | None):
     are available: bf16 projections of at least _AMX_MIN_ROWS rows on the AMX kernel
     (`native.matmul_amx`), the training forward's attention on `native.attention`, and the
     SwiGLU activation and RMSNorms on `native.swiglu` / `native.rms_norm` (all with their
-    backward). None (the default outside): only when JAX sees a single device, because a custom call
-    is not partitioned by XLA: a run that shards activations over a mesh must keep XLA's
-    ops."""
+    backward). None (the default outside): only when JAX sees a single device, because a
+    custom call is not partitioned by XLA: a run that shards activations over a mesh must
+    keep XLA's ops."""
     token = _NATIVE_MATMUL.set(enabled)
     try:
         yield
@@ -212,12 +212,13 @@ def packed_weights(model: "Qwen", *, unsharded: bool = False):
     if model.dtype == jnp.bfloat16 and _native_matmul_enabled(unsharded):
         modules = [m for _, m in nnx.iter_modules(model)]
         # gate and up run as one product (MLP.gate_up): pack that, not the two kernels
-        fused = {id(p) for m in modules if isinstance(m, MLP) for p in (m.gate_proj, m.up_proj)}
+        in_gate_up = {id(p) for m in modules if isinstance(m, MLP)
+                      for p in (m.gate_proj, m.up_proj)}
         for module in modules:
             if isinstance(module, MLP):
                 packed[id(module)] = (module, native_kernels.pack_amx(
                     module.gate_up_kernel().astype(jnp.bfloat16)))
-            elif isinstance(module, Linear) and id(module) not in fused:
+            elif isinstance(module, Linear) and id(module) not in in_gate_up:
                 w = module.kernel[...]
                 k = math.prod(w.shape[:module.n_in])
                 packed[id(module)] = (module, native_kernels.pack_amx(
@@ -414,8 +415,6 @@ class RMSNorm(nnx.Module):
         return (x32 * scale32).astype(self.dtype)
 
 
-
-
 def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
     """Rotate-half RoPE (HF layout: the two halves of the head dim form the pairs)."""
     x32_BTNH = x_BTNH.astype(jnp.float32)
@@ -596,8 +595,6 @@ class Attention(nnx.Module):
             o_BKGTH = _attend(q_BKGTH, k_BKxx, v_BKSH, mask_BTS, spec)[0]
         o_BTNH = o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, -1, H)
         return self.o_proj(o_BTNH), kv
-
-
 
 
 class MLP(nnx.Module):

@@ -1,7 +1,7 @@
 """Optional native CPU kernels (XLA FFI custom calls), with the XLA path as the fallback.
 
 Lives here: building (`python -m ba_jax.native build`, run by `make`), loading and
-registering the kernels, and their Python call wrappers. Three kernels:
+registering the kernels, and their Python call wrappers. Four groups of kernels:
 
 * `decode_attention`, the one-token cached attention of `Qwen.decode` on CPU, optionally
   with a prompt segment shared by the samples of each prompt (decode_attention.cc says why
@@ -10,8 +10,8 @@ registering the kernels, and their Python call wrappers. Three kernels:
   gradients (attention.cc), used by `Qwen.__call__` on one CPU device when the library was
   compiled with AVX-512;
 * `swiglu` / `swiglu_grad` and `rms_norm` / `rms_norm_grad`, the MLP's silu(g) * u (g and
-  u the halves of one product) and RMSNorm with their gradients, one pass each (elementwise.cc), under the same conditions
-  as `attention`;
+  u the halves of one product) and RMSNorm with their gradients, one pass each
+  (elementwise.cc), under the same conditions as `attention`;
 * `matmul_amx`, a bfloat16 x bfloat16 -> float32 matrix product on Intel AMX tiles
   (matmul_amx.cc), used by the model's bf16 projections when the processor has AMX, and
   `pack_amx` / `matmul_amx_packed`, the same product with the weight packed once (the

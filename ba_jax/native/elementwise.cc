@@ -7,8 +7,9 @@
 // step of the benchmark model). Here each side is one pass over its operands.
 //
 // SwiGLU, h = silu(g) * u, with g and u the two halves of the last axis of gu [..., 2F] (the
-// output of one product by the concatenated gate and up weights). Numerics (D = float32 or bfloat16; round = to D, to nearest
-// even, identity for float32), as PyTorch's bf16 ops and `fused.swiglu`: all in float32,
+// output of one product by the concatenated gate and up weights). Numerics (D = float32 or
+// bfloat16; round = to D, to nearest even, identity for float32), as PyTorch's bf16 ops and
+// `fused.swiglu`: all in float32,
 //   sig = 1 / (1 + exp(-g)),  s = round(g sig),  h = round(s u)
 //   du = round(dh s),  ds = round(dh u),  dg = round(ds sig (1 + g (1 - sig)))
 // h, dh [..., F]; the gradient dgu [..., 2F] = (dg, du); all of dtype D; sigmoid(g) is
@@ -18,7 +19,7 @@
 //   r = 1 / sqrt(mean(x^2) + eps),  y = round((x r) scale)
 //   backward, for dy D:  n = x r,  e = dy scale,  dx = round(r (e - n mean(e n))),
 //   dscale = sum over rows of dy n (float32; per-unit partial sums added at the end)
-// Work is split into runs of elements (rows for the norm) over the calling thread and
+// Work is split into runs of whole rows (about kRun elements each) over the calling thread and
 // XLA's intra-op pool.
 
 #include <algorithm>
