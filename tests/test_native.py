@@ -304,12 +304,27 @@ def _xla_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, sin_BTH, cos_BTH):
     return o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def attention_path(request):
+    """The bf16 attention kernel on its AVX-512 loops or on AMX tiles (attention_amx.cc)."""
+    if request.param == "amx" and not native.attention_amx_available():
+        pytest.skip("processor without AMX-BF16")
+    native.use_amx_attention(request.param == "amx")
+    yield request.param
+    native.use_amx_attention(True)
+
+
 @needs_attention
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("B,T,N,K,H", [(2, 9, 6, 2, 8), (2, 40, 4, 2, 24), (1, 33, 2, 1, 64)])
-def test_attention_kernel_matches_xla_forward_and_backward(dtype, B, T, N, K, H):
-    """Odd lengths and head dims (padded blocks), GQA, a causal mask and a left-padded row
-    whose padding queries see no key (uniform probabilities, no score gradient)."""
+@pytest.mark.parametrize("B,T,N,K,H", [(2, 9, 6, 2, 8), (2, 40, 4, 2, 24), (1, 33, 2, 1, 64),
+                                       (1, 70, 4, 4, 128)])
+def test_attention_kernel_matches_xla_forward_and_backward(dtype, B, T, N, K, H,
+                                                           attention_path):
+    """Odd lengths and head dims (padded blocks, several 32-row chunks), GQA, a causal mask
+    and a left-padded row whose padding queries see no key (uniform probabilities, no score
+    gradient); bf16 on both the AVX-512 and the AMX path (f32 has only the former)."""
+    if dtype == jnp.float32 and attention_path == "amx":
+        pytest.skip("the AMX path is bf16 only")
     ks = jax.random.split(jax.random.key(B * T + H), 4)
     q, do = (jax.random.normal(r, (B, T, N, H), dtype) for r in (ks[0], ks[3]))
     k, v = (jax.random.normal(r, (B, T, K, H), dtype) for r in (ks[1], ks[2]))

@@ -8,7 +8,8 @@ registering the kernels, and their Python call wrappers. Four groups of kernels:
   XLA:CPU needs it);
 * `attention` / `attention_grad`, the training forward's masked self-attention and its
   gradients (attention.cc), used by `Qwen.__call__` on one CPU device when the library was
-  compiled with AVX-512;
+  compiled with AVX-512; in bfloat16 their products run on AMX tiles where the processor
+  has them (attention_amx.cc);
 * `swiglu` / `swiglu_grad` and `rms_norm` / `rms_norm_grad`, the MLP's silu(g) * u (g and
   u the halves of one product) and RMSNorm with their gradients, one pass each
   (elementwise.cc), under the same conditions as `attention`;
@@ -45,8 +46,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
 SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc", _HERE / "attention.cc",
-           _HERE / "elementwise.cc")
-HEADERS = (_HERE / "simd.h", _HERE / "parallel.h")
+           _HERE / "attention_amx.cc", _HERE / "elementwise.cc")
+HEADERS = (_HERE / "simd.h", _HERE / "parallel.h", _HERE / "attention.h")
 LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
 _TARGET_SHARED = "ba_decode_attention_shared"
@@ -133,6 +134,21 @@ def attention_available() -> bool:
     """True when `attention` / `attention_grad` can run: the library was built with AVX-512
     (F, BW, VL), JAX runs on the CPU and BA_JAX_NO_NATIVE is unset."""
     return _enabled_on_cpu() and _attention_built()
+
+
+def attention_amx_available() -> bool:
+    """True when `attention` / `attention_grad` run their bfloat16 products on AMX tiles
+    (attention_amx.cc): the kernel is available and the processor has AMX-BF16."""
+    return attention_available() and _amx()
+
+
+def use_amx_attention(on: bool) -> None:
+    """Lets the bfloat16 attention kernel use AMX tiles where available (the default) or
+    keeps it on its AVX-512 loops (tests compare the two); applies to calls from then on,
+    in compiled functions too."""
+    lib = _library()
+    if lib is not None:
+        lib.BaAttentionUseAmx(int(bool(on)))
 
 
 def matmul_amx_available() -> bool:

@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,20 +47,7 @@ namespace {
 
 #ifdef BA_AVX512
 
-struct Dims {
-  int64_t B, T, S, N, K, H;
-  int64_t Sp, Hp;  // S and H rounded up to multiples of 16 and 64
-};
-
-inline __mmask16 Lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// Unmasked slots among the 16 (or fewer, n) mask bytes at m.
-inline __mmask16 Valid16(const bool* m, int64_t n) {
-  const __m128i bytes = _mm_maskz_loadu_epi8(Lanes(n), m);
-  return _mm_cmpneq_epi8_mask(bytes, _mm_setzero_si128());
-}
+using namespace ba_attention;
 
 // Query rows are processed kR at a time (consecutive positions of one head): each key or
 // value vector loaded serves all kR rows, and the dk/dv rows are read and written once per
@@ -84,44 +72,6 @@ struct Scratch {
   }
 };
 
-// Rotary embedding of one float32 row in place, with its position's sin/cos rows (HF
-// rotate-half: the two halves of H form the pairs), rounded to bf16 when the operands are.
-void Rope(const Dims& d, const float* sin, const float* cos, bool bf16, float* x) {
-  const int64_t half = d.H / 2;
-  alignas(64) float y[512];
-  for (int64_t h = 0; h < half; ++h) y[h] = x[h] * cos[h] - x[h + half] * sin[h];
-  for (int64_t h = half; h < d.H; ++h) y[h] = x[h] * cos[h] + x[h - half] * sin[h];
-  std::memcpy(x, y, d.H * sizeof(float));
-  if (bf16) {
-    for (int64_t h = 0; h < d.H; h += 16) {
-      _mm512_mask_storeu_ps(x + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(x + h)));
-    }
-  }
-}
-
-// The transpose of Rope (its gradient): dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
-// With bf16 operands g is rounded to bf16 first, as the XLA path's rotated-q/k gradient is.
-void RopeGrad(const Dims& d, const float* sin, const float* cos, bool bf16, float* g) {
-  if (bf16) {
-    for (int64_t h = 0; h < d.H; h += 16) {
-      _mm512_mask_storeu_ps(g + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(g + h)));
-    }
-  }
-  const int64_t half = d.H / 2;
-  alignas(64) float y[512];
-  for (int64_t h = 0; h < half; ++h) y[h] = g[h] * cos[h] + g[h + half] * sin[h + half];
-  for (int64_t h = half; h < d.H; ++h) y[h] = g[h] * cos[h] - g[h - half] * sin[h - half];
-  std::memcpy(g, y, d.H * sizeof(float));
-}
-
-// Position tables of row b: sin/cos [B, T, H] (slots use the same positions as queries).
-struct RopeTables {
-  const float* sin;
-  const float* cos;
-  const float* Sin(const Dims& d, int64_t b, int64_t t) const { return sin + (b * d.T + t) * d.H; }
-  const float* Cos(const Dims& d, int64_t b, int64_t t) const { return cos + (b * d.T + t) * d.H; }
-};
-
 // x[s, kh, :] of one row as float32 into a [Sp, Hp] copy and (when xt) an [Hp, Sp] one;
 // rotated first when rope is given (the keys).
 template <typename T>
@@ -138,11 +88,6 @@ void LoadSlots(const Dims& d, const T* x, int64_t b, int64_t kh, float* xf, floa
       for (int64_t h = 0; h < d.H; ++h) xt[h * d.Sp + s] = xf[s * d.Hp + h];
     }
   }
-}
-
-template <typename T>
-void LoadRow(const Dims& d, const T* x, float* out) {
-  for (int64_t h = 0; h < d.H; h += 16) _mm512_storeu_ps(out + h, Load16(x + h, d.H - h));
 }
 
 // For kR rows of one head: sc[r][s] = (q_r . k_s) * scale on row r's unmasked slots, -inf
@@ -463,7 +408,16 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       ForwardUnit(d, qp, kp, vp, m, rope, out, b, kh, w);
     });
   };
-  if (q.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
+  if (q.element_type() == ffi::F32) {
+    run(float{});
+  } else if (AmxEnabled()) {
+    const auto *qp = Data<uint16_t>(q), *kp = Data<uint16_t>(k), *vp = Data<uint16_t>(v);
+    ba_native::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
+      AmxForwardUnit(d, qp, kp, vp, m, rope, out, i / d.K, i % d.K);
+    });
+  } else {
+    run(uint16_t{});
+  }
   return ffi::Error::Success();
 }
 
@@ -490,7 +444,17 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
       BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
     });
   };
-  if (q.element_type() == ffi::F32) run(float{}); else run(uint16_t{});
+  if (q.element_type() == ffi::F32) {
+    run(float{});
+  } else if (AmxEnabled()) {
+    const auto *qp = Data<uint16_t>(q), *kp = Data<uint16_t>(k), *vp = Data<uint16_t>(v),
+               *gp = Data<uint16_t>(dout);
+    ba_native::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
+      AmxBackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, i / d.K, i % d.K);
+    });
+  } else {
+    run(uint16_t{});
+  }
   return ffi::Error::Success();
 }
 

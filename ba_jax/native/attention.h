@@ -1,0 +1,85 @@
+// Declarations shared by the training attention kernels: attention.cc (AVX-512, float32 and
+// bfloat16) and attention_amx.cc (bfloat16 products on AMX tiles).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+#ifdef BA_AVX512
+
+namespace ba_attention {
+
+struct Dims {
+  int64_t B, T, S, N, K, H;
+  int64_t Sp, Hp;  // S and H rounded up to multiples of 16 and 64
+};
+
+inline __mmask16 Lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// Unmasked slots among the 16 (or fewer, n) mask bytes at m.
+inline __mmask16 Valid16(const bool* m, int64_t n) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(Lanes(n), m);
+  return _mm_cmpneq_epi8_mask(bytes, _mm_setzero_si128());
+}
+
+// Rotary embedding of one float32 row in place, with its position's sin/cos rows (HF
+// rotate-half: the two halves of H form the pairs), rounded to bf16 when the operands are.
+inline void Rope(const Dims& d, const float* sin, const float* cos, bool bf16, float* x) {
+  const int64_t half = d.H / 2;
+  alignas(64) float y[512];
+  for (int64_t h = 0; h < half; ++h) y[h] = x[h] * cos[h] - x[h + half] * sin[h];
+  for (int64_t h = half; h < d.H; ++h) y[h] = x[h] * cos[h] + x[h - half] * sin[h];
+  std::memcpy(x, y, d.H * sizeof(float));
+  if (bf16) {
+    for (int64_t h = 0; h < d.H; h += 16) {
+      _mm512_mask_storeu_ps(x + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(x + h)));
+    }
+  }
+}
+
+// The transpose of Rope (its gradient): dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
+// With bf16 operands g is rounded to bf16 first, as the XLA path's rotated-q/k gradient is.
+inline void RopeGrad(const Dims& d, const float* sin, const float* cos, bool bf16, float* g) {
+  if (bf16) {
+    for (int64_t h = 0; h < d.H; h += 16) {
+      _mm512_mask_storeu_ps(g + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(g + h)));
+    }
+  }
+  const int64_t half = d.H / 2;
+  alignas(64) float y[512];
+  for (int64_t h = 0; h < half; ++h) y[h] = g[h] * cos[h] + g[h + half] * sin[h + half];
+  for (int64_t h = half; h < d.H; ++h) y[h] = g[h] * cos[h] - g[h - half] * sin[h - half];
+  std::memcpy(g, y, d.H * sizeof(float));
+}
+
+// Position tables of row b: sin/cos [B, T, H] (slots use the same positions as queries).
+struct RopeTables {
+  const float* sin;
+  const float* cos;
+  const float* Sin(const Dims& d, int64_t b, int64_t t) const { return sin + (b * d.T + t) * d.H; }
+  const float* Cos(const Dims& d, int64_t b, int64_t t) const { return cos + (b * d.T + t) * d.H; }
+};
+
+template <typename T>
+inline void LoadRow(const Dims& d, const T* x, float* out) {
+  for (int64_t h = 0; h < d.H; h += 16) _mm512_storeu_ps(out + h, Load16(x + h, d.H - h));
+}
+
+// AMX (attention_amx.cc): whether the processor has AMX-BF16 with the tile state granted and
+// the path is enabled (BaAttentionUseAmx), and the bf16 forward and backward of one (row, kv
+// head) unit with the numerics of attention.cc's units.
+bool AmxEnabled();
+void AmxForwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                    const bool* mask, const RopeTables& rope, float* o, int64_t b, int64_t kh);
+void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                     const bool* mask, const RopeTables& rope, const float* o,
+                     const uint16_t* dout, float* dq, float* dk, float* dv, int64_t b,
+                     int64_t kh);
+
+}  // namespace ba_attention
+
+#endif  // BA_AVX512
