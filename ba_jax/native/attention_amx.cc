@@ -73,50 +73,92 @@ BA_AMX void ConfigureTiles() {
 
 // Per-thread buffers of one unit, kept between calls (S32, H32: S and H padded to 32).
 struct Work {
-  int64_t S32 = -1, H32 = -1;
+  int64_t S32 = -1, H32 = -1, NB = 0;    // NB: 16-key blocks
   std::vector<uint16_t> xb;              // [S32, H32] bf16 rows being packed
   std::vector<uint16_t> kh, ks, vh, vs;  // packed B operands (S32 * H32 each)
   std::vector<uint16_t> qa, ga;          // the chunk's q (rotated) and do rows [32, H32]
   std::vector<uint16_t> qt, gt;          // their transposes [H32, 32]
-  std::vector<float> sc, dp;             // scores -> probabilities, and dP [32, S32]
+  std::vector<float> sc, dp;             // scores -> exp(score - max), and dP [32, S32]
   std::vector<uint16_t> pa, da;          // probabilities and dS as bf16 rows [32, S32]
   std::vector<uint16_t> pp, dsp;         // the same paired over the 32 rows
   std::vector<float> dkt, dvt;           // dK^T, dV^T [H32, S32]
-  std::vector<float> out, row;           // [32, H32], [H32]
-  std::vector<uint8_t> live, live32, dvl;  // per 16-key block, per 32-key chunk, dV blocks
+  std::vector<float> out;                // [32, H32]
+  std::vector<__mmask16> ok;             // [32, NB] unmasked slots of each row and block
+  std::vector<uint8_t> live, live32;     // 16-key blocks / 32-key chunks with an unmasked slot
+  std::vector<uint8_t> use, use32;       // those holding a nonzero p
   void Resize(int64_t s32, int64_t h32) {
     if (s32 == S32 && h32 == H32) return;
     S32 = s32;
     H32 = h32;
+    NB = S32 / 16;
     for (auto* x : {&xb, &kh, &ks, &vh, &vs}) x->assign(S32 * H32, 0);
     for (auto* x : {&qa, &ga, &qt, &gt}) x->assign(kRows * H32, 0);
     for (auto* x : {&sc, &dp}) x->assign(kRows * S32, 0.0f);
     for (auto* x : {&pa, &da, &pp, &dsp}) x->assign(kRows * S32, 0);
     for (auto* x : {&dkt, &dvt}) x->assign(H32 * S32, 0.0f);
     out.assign(kRows * H32, 0.0f);
-    row.assign(H32, 0.0f);
-    live.assign(S32 / 16, 0);
-    dvl.assign(S32 / 16, 0);
-    live32.assign(S32 / 32, 0);
+    ok.assign(kRows * NB, 0);
+    live.assign(NB, 0);
+    use.assign(NB, 0);
+    use32.assign(NB / 2, 0);
+    live32.assign(NB / 2, 0);
   }
 };
 
-// 16 float32 lanes as bf16 bits (rounded to nearest even).
-inline void StoreBf16(uint16_t* p, __m512 x) { Store16(p, x, 16); }
+// Per-row state of a chunk's softmax: exp(score - max) sits in Work::sc on the row's live
+// blocks; p = e * inv on its unmasked slots. A uniform row (no unmasked slot) has e = 1 on
+// all S slots and inv = 1 / S.
+struct RowStats {
+  int64_t valid[kRows];
+  float inv[kRows];
+  bool uniform[kRows];
+  bool any_uniform;
+};
 
-// Row t of x (stride `step` rows of H, bf16) as bf16 into dst [H32] (zero-padded), rotated
-// first when sin/cos are given (rounded to bf16, as `qwen._rope`).
-void LoadBf16Row(const Dims& d, const uint16_t* x, const float* sin, const float* cos,
-                 float* row, int64_t H32, uint16_t* dst) {
-  if (sin == nullptr) {
-    std::memcpy(dst, x, d.H * sizeof(uint16_t));
-    std::fill(dst + d.H, dst + H32, uint16_t{0});
-    return;
+inline __mmask32 Lanes32(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1);
+}
+
+// n (<= H32) bf16 values into dst [H32], zero-padded.
+inline void CopyBf16Row(const uint16_t* src, int64_t n, int64_t H32, uint16_t* dst) {
+  for (int64_t h = 0; h < H32; h += 32) {
+    _mm512_storeu_si512(dst + h, _mm512_maskz_loadu_epi16(Lanes32(n - h), src + h));
   }
-  std::fill(row, row + H32, 0.0f);
-  LoadRow(d, x, row);
-  Rope(d, sin, cos, true, row);
-  for (int64_t h = 0; h < H32; h += 16) StoreBf16(dst + h, _mm512_loadu_ps(row + h));
+}
+
+// The rotary embedding of one bf16 row (HF rotate-half, as `Rope`), rounded to bf16 into
+// dst [H32], zero-padded.
+inline void RopeBf16Row(const Dims& d, const uint16_t* x, const float* sin, const float* cos,
+                        int64_t H32, uint16_t* dst) {
+  const int64_t half = d.H / 2;
+  std::fill(dst + d.H, dst + H32, uint16_t{0});
+  for (int64_t h = 0; h < half; h += 16) {
+    const int64_t n = half - h;
+    const __m512 x1 = Load16(x + h, n), x2 = Load16(x + half + h, n);
+    const __m512 y1 =
+        _mm512_fmsub_ps(x1, Load16(cos + h, n), _mm512_mul_ps(x2, Load16(sin + h, n)));
+    const __m512 y2 = _mm512_fmadd_ps(x2, Load16(cos + half + h, n),
+                                      _mm512_mul_ps(x1, Load16(sin + half + h, n)));
+    Store16(dst + h, y1, n);
+    Store16(dst + half + h, y2, n);
+  }
+}
+
+// The transpose of the rotation for a float32 gradient row g (rounded to bf16 first, as
+// `RopeGrad`), stored as float32 into dst [H].
+inline void RopeGradRow(const Dims& d, const float* g, const float* sin, const float* cos,
+                        float* dst) {
+  const int64_t half = d.H / 2;
+  for (int64_t h = 0; h < half; h += 16) {
+    const int64_t n = half - h;
+    const __m512 g1 = RoundBf16(Load16(g + h, n)), g2 = RoundBf16(Load16(g + half + h, n));
+    const __m512 y1 = _mm512_fmadd_ps(g1, Load16(cos + h, n),
+                                      _mm512_mul_ps(g2, Load16(sin + half + h, n)));
+    const __m512 y2 = _mm512_fmsub_ps(g2, Load16(cos + half + h, n),
+                                      _mm512_mul_ps(g1, Load16(sin + h, n)));
+    Store16(dst + h, y1, n);
+    Store16(dst + half + h, y2, n);
+  }
 }
 
 // x[s, kh, :] of row b for s < S into w.xb [S32, H32] (keys rotated), the padding zero.
@@ -124,8 +166,12 @@ void LoadSlots(const Dims& d, const uint16_t* x, int64_t b, int64_t kh, const Ro
                Work& w) {
   for (int64_t s = 0; s < d.S; ++s) {
     const uint16_t* src = x + ((b * d.S + s) * d.K + kh) * d.H;
-    LoadBf16Row(d, src, rope ? rope->Sin(d, b, s) : nullptr, rope ? rope->Cos(d, b, s) : nullptr,
-                w.row.data(), w.H32, w.xb.data() + s * w.H32);
+    uint16_t* dst = w.xb.data() + s * w.H32;
+    if (rope != nullptr) {
+      RopeBf16Row(d, src, rope->Sin(d, b, s), rope->Cos(d, b, s), w.H32, dst);
+    } else {
+      CopyBf16Row(src, d.H, w.H32, dst);
+    }
   }
   std::fill(w.xb.begin() + d.S * w.H32, w.xb.end(), uint16_t{0});
 }
@@ -233,84 +279,96 @@ BA_AMX void AddTransposed(const uint16_t* at, const uint16_t* y, const uint8_t* 
   }
 }
 
-// The chunk's live 16-key blocks and each row's count of unmasked slots (rows r < R; m is
-// the mask row of the chunk's first query).
-void ChunkLive(const Dims& d, const bool* m, int64_t R, Work& w, int64_t* valid) {
+// The chunk's unmasked slots per row and 16-key block (w.ok), its live blocks and each row's
+// count of unmasked slots (rows r < R; m is the mask row of the chunk's first query).
+void ChunkMasks(const Dims& d, const bool* m, int64_t R, Work& w, RowStats& st) {
   std::fill(w.live.begin(), w.live.end(), uint8_t{0});
-  for (int64_t r = 0; r < kRows; ++r) valid[r] = 0;
+  std::fill(w.ok.begin(), w.ok.end(), __mmask16{0});
   for (int64_t r = 0; r < R; ++r) {
+    int64_t valid = 0;
+    __mmask16* ok = w.ok.data() + r * w.NB;
     for (int64_t s0 = 0; s0 < d.S; s0 += 16) {
-      const __mmask16 ok = Valid16(m + r * d.S + s0, d.S - s0);
-      if (ok) {
+      ok[s0 / 16] = Valid16(m + r * d.S + s0, d.S - s0);
+      if (ok[s0 / 16]) {
         w.live[s0 / 16] = 1;
-        valid[r] += __builtin_popcount(ok);
+        valid += __builtin_popcount(ok[s0 / 16]);
       }
     }
+    st.valid[r] = valid;
   }
+  for (int64_t r = R; r < kRows; ++r) st.valid[r] = 0;
 }
 
-// Row sc of raw q.k products (live blocks) -> softmax probabilities of the scaled scores over
-// the unmasked slots, float32, zero elsewhere; uniform over all S slots when valid == 0.
-void SoftmaxRow(const Dims& d, const bool* m, const uint8_t* live, int64_t S32, int64_t valid,
-                float scale, float* sc) {
-  if (valid == 0) {
-    for (int64_t s = 0; s < S32; ++s) sc[s] = s < d.S ? 1.0f / d.S : 0.0f;
+// Row r's raw q.k products (live blocks of w.sc) -> exp(scale * x - max) over its unmasked
+// slots (0 on its masked ones) and st.inv[r] = 1 / sum.
+void SoftmaxRow(const Dims& d, Work& w, int64_t r, float scale, RowStats& st) {
+  float* sc = w.sc.data() + r * w.S32;
+  const __mmask16* ok = w.ok.data() + r * w.NB;
+  st.uniform[r] = st.valid[r] == 0;
+  if (st.uniform[r]) {
+    std::fill(sc, sc + w.S32, 1.0f);
+    st.inv[r] = 1.0f / d.S;
     return;
   }
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 sv = _mm512_set1_ps(scale);
-  __m512 mx = ninf;
-  for (int64_t s0 = 0; s0 < S32; s0 += 16) {
-    if (!live[s0 / 16]) continue;
-    const __m512 x = _mm512_mask_mov_ps(ninf, Valid16(m + s0, d.S - s0),
-                                        _mm512_mul_ps(_mm512_loadu_ps(sc + s0), sv));
-    _mm512_storeu_ps(sc + s0, x);
-    mx = _mm512_max_ps(mx, x);
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < w.NB; ++j) {
+    if (ok[j]) mx = _mm512_mask_max_ps(mx, ok[j], mx, _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * j), sv));
   }
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 total = _mm512_setzero_ps();
-  for (int64_t s0 = 0; s0 < S32; s0 += 16) {
-    if (!live[s0 / 16]) {
-      _mm512_storeu_ps(sc + s0, _mm512_setzero_ps());
-      continue;
-    }
-    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + s0), top));
-    _mm512_storeu_ps(sc + s0, e);
+  for (int64_t j = 0; j < w.NB; ++j) {
+    if (!ok[j]) continue;
+    const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sc + 16 * j), sv), top);
+    const __m512 e = _mm512_maskz_mov_ps(ok[j], Exp16(x));
+    _mm512_storeu_ps(sc + 16 * j, e);
     total = _mm512_add_ps(total, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  for (int64_t s0 = 0; s0 < S32; s0 += 16) {
-    if (live[s0 / 16]) _mm512_storeu_ps(sc + s0, _mm512_mul_ps(_mm512_loadu_ps(sc + s0), inv));
-  }
+  st.inv[r] = 1.0f / _mm512_reduce_add_ps(total);
 }
 
-// Scores and probabilities of the chunk's rows t0 .. t0 + R - 1 of head n into w.sc (rows
-// >= R zero) -> whether some row is uniform. w.qa holds their rotated q.
-BA_AMX bool ChunkProbabilities(const Dims& d, const bool* m, int64_t R, float scale, Work& w,
-                               int64_t* valid) {
-  ChunkLive(d, m, R, w, valid);
+// The slots of row r in block j where p may be nonzero.
+inline __mmask16 PMask(const Dims& d, const Work& w, const RowStats& st, int64_t r, int64_t j) {
+  if (st.uniform[r]) return 16 * j < d.S ? Lanes(d.S - 16 * j) : __mmask16{0};
+  return w.ok[r * w.NB + j];
+}
+
+// Scores of the chunk's rows (w.qa: their rotated q) and their softmax state; rows >= R have
+// no slot. Sets w.use / w.use32 (blocks, 32-key chunks holding a nonzero p) and w.live32.
+BA_AMX void ChunkSoftmax(const Dims& d, const bool* m, int64_t R, float scale, Work& w,
+                         RowStats& st) {
+  ChunkMasks(d, m, R, w, st);
   RowsTimesPairH(w.qa.data(), w.H32, w.kh.data(), w.live.data(), w.S32, w.sc.data());
-  bool uniform = false;
+  st.any_uniform = false;
   for (int64_t r = 0; r < kRows; ++r) {
-    float* p = w.sc.data() + r * w.S32;
     if (r < R) {
-      SoftmaxRow(d, m + r * d.S, w.live.data(), w.S32, valid[r], scale, p);
-      uniform |= valid[r] == 0;
+      SoftmaxRow(d, w, r, scale, st);
+      st.any_uniform |= st.uniform[r];
     } else {
-      std::fill(p, p + w.S32, 0.0f);
+      st.uniform[r] = false;
+      st.inv[r] = 0.0f;
     }
   }
-  return uniform;
+  for (int64_t j = 0; j < w.NB; ++j) w.use[j] = st.any_uniform || w.live[j];
+  for (int64_t c = 0; c < w.NB / 2; ++c) {
+    w.use32[c] = w.use[2 * c] || w.use[2 * c + 1];
+    w.live32[c] = w.live[2 * c] || w.live[2 * c + 1];
+  }
 }
 
-// The chunk's rotated q rows (and their transpose when qt), zero rows from R on.
+// bf16 bits of 16 float32 lanes as 16-bit lanes.
+inline __m256i Bf16Bits(__m512 x) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(RoundBf16(x)), 16));
+}
+
+// The chunk's rotated q rows (and their transpose when `transpose`), zero rows from R on.
 void LoadQueries(const Dims& d, const uint16_t* q, const RopeTables& rope, int64_t b,
                  int64_t t0, int64_t R, int64_t n, Work& w, bool transpose) {
   for (int64_t r = 0; r < kRows; ++r) {
     uint16_t* dst = w.qa.data() + r * w.H32;
     if (r < R) {
-      LoadBf16Row(d, q + ((b * d.T + t0 + r) * d.N + n) * d.H, rope.Sin(d, b, t0 + r),
-                  rope.Cos(d, b, t0 + r), w.row.data(), w.H32, dst);
+      RopeBf16Row(d, q + ((b * d.T + t0 + r) * d.N + n) * d.H, rope.Sin(d, b, t0 + r),
+                  rope.Cos(d, b, t0 + r), w.H32, dst);
     } else {
       std::fill(dst, dst + w.H32, uint16_t{0});
     }
@@ -321,12 +379,11 @@ void LoadQueries(const Dims& d, const uint16_t* q, const RopeTables& rope, int64
   }
 }
 
-void RowsToBf16(const float* x, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 16) StoreBf16(out + i, _mm512_loadu_ps(x + i));
-}
-
-void Live32(const Work& w, bool all, uint8_t* live32) {
-  for (int64_t c = 0; c < w.S32 / 32; ++c) live32[c] = all || w.live[2 * c] || w.live[2 * c + 1];
+// This thread's buffers, looked up once per unit (a thread_local used directly in the loops
+// costs a __tls_get_addr call per access from a shared library).
+__attribute__((noinline)) Work& ThreadWork() {
+  thread_local Work w;
+  return w;
 }
 
 }  // namespace
@@ -339,28 +396,41 @@ bool AmxEnabled() {
 BA_AMX void AmxForwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
                            const uint16_t* v, const bool* mask, const RopeTables& rope,
                            float* o, int64_t b, int64_t kh) {
-  thread_local Work w;
+  Work& w = ThreadWork();
   w.Resize(Up(d.S, 32), Up(d.H, 32));
+  const int64_t S32 = w.S32, H32 = w.H32;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   ConfigureTiles();
   LoadSlots(d, k, b, kh, &rope, w);
-  PairOverH(w.xb.data(), w.S32, w.H32, w.kh.data());
+  PairOverH(w.xb.data(), S32, H32, w.kh.data());
   LoadSlots(d, v, b, kh, nullptr, w);
-  PairOverRows(w.xb.data(), w.S32, w.H32, w.H32, w.vs.data());
-  int64_t valid[kRows];
+  PairOverRows(w.xb.data(), S32, H32, H32, w.vs.data());
+  RowStats st;
   const int64_t G = d.N / d.K;
   for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
     for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
       const int64_t R = std::min(kRows, d.T - t0);
-      const bool* m = mask + (b * d.T + t0) * d.S;
       LoadQueries(d, q, rope, b, t0, R, n, w, false);
-      const bool uniform = ChunkProbabilities(d, m, R, scale, w, valid);
-      RowsToBf16(w.sc.data(), kRows * w.S32, w.pa.data());
-      Live32(w, uniform, w.live32.data());
-      RowsTimesPairRows(w.pa.data(), w.S32, w.vs.data(), w.live32.data(), w.H32, w.out.data());
+      ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
+      for (int64_t r = 0; r < kRows; ++r) {  // p rounded to bf16, zero off the blocks in use
+        const float* e = w.sc.data() + r * S32;
+        uint16_t* pa = w.pa.data() + r * S32;
+        const __m512 inv = _mm512_set1_ps(st.inv[r]);
+        for (int64_t j = 0; j < w.NB; ++j) {
+          __m256i bits = _mm256_setzero_si256();
+          if (w.use[j]) {
+            bits = Bf16Bits(_mm512_maskz_mul_ps(PMask(d, w, st, r, j),
+                                                _mm512_loadu_ps(e + 16 * j), inv));
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + 16 * j), bits);
+        }
+      }
+      RowsTimesPairRows(w.pa.data(), S32, w.vs.data(), w.use32.data(), H32, w.out.data());
       for (int64_t r = 0; r < R; ++r) {
-        std::memcpy(o + ((b * d.T + t0 + r) * d.N + n) * d.H, w.out.data() + r * w.H32,
-                    d.H * sizeof(float));
+        float* dst = o + ((b * d.T + t0 + r) * d.N + n) * d.H;
+        for (int64_t h = 0; h < d.H; h += 16) {
+          Store16(dst + h, _mm512_loadu_ps(w.out.data() + r * H32 + h), d.H - h);
+        }
       }
     }
   }
@@ -371,9 +441,9 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, const bool* mask, const RopeTables& rope,
                             const float* o, const uint16_t* dout, float* dq, float* dk,
                             float* dv, int64_t b, int64_t kh) {
-  thread_local Work w;
+  Work& w = ThreadWork();
   w.Resize(Up(d.S, 32), Up(d.H, 32));
-  const int64_t S32 = w.S32, H32 = w.H32;
+  const int64_t S32 = w.S32, H32 = w.H32, NB = w.NB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   const __m512 sv = _mm512_set1_ps(scale);
   ConfigureTiles();
@@ -384,73 +454,82 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
   PairOverH(w.xb.data(), S32, H32, w.vh.data());
   std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);
   std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
-  int64_t valid[kRows];
+  RowStats st;
   const int64_t G = d.N / d.K;
   for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
     for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
       const int64_t R = std::min(kRows, d.T - t0);
-      const bool* m = mask + (b * d.T + t0) * d.S;
       LoadQueries(d, q, rope, b, t0, R, n, w, true);
-      float D[kRows];
+      float D[kRows];  // do . o per row
       for (int64_t r = 0; r < kRows; ++r) {
-        uint16_t* dst = w.ga.data() + r * H32;
+        uint16_t* g = w.ga.data() + r * H32;
         D[r] = 0.0f;
-        if (r < R) {
-          const int64_t at = ((b * d.T + t0 + r) * d.N + n) * d.H;
-          LoadBf16Row(d, dout + at, nullptr, nullptr, nullptr, H32, dst);
-          const __m512 dot = [&] {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t h = 0; h < d.H; h += 16) {
-              acc = _mm512_fmadd_ps(Load16(dst + h, d.H - h), Load16(o + at + h, d.H - h), acc);
-            }
-            return acc;
-          }();
-          D[r] = _mm512_reduce_add_ps(dot);
-        } else {
-          std::fill(dst, dst + H32, uint16_t{0});
+        if (r >= R) {
+          std::fill(g, g + H32, uint16_t{0});
+          continue;
         }
+        const int64_t at = ((b * d.T + t0 + r) * d.N + n) * d.H;
+        CopyBf16Row(dout + at, d.H, H32, g);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t h = 0; h < d.H; h += 16) {
+          acc = _mm512_fmadd_ps(Load16(g + h, d.H - h), Load16(o + at + h, d.H - h), acc);
+        }
+        D[r] = _mm512_reduce_add_ps(acc);
       }
       for (int64_t h = 0; h < H32; ++h)
         for (int64_t r = 0; r < kRows; ++r) w.gt[h * kRows + r] = w.ga[r * H32 + h];
-      const bool uniform = ChunkProbabilities(d, m, R, scale, w, valid);
+      ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
       RowsTimesPairH(w.ga.data(), H32, w.vh.data(), w.live.data(), S32, w.dp.data());
-      // ds = round(p (dp - D) / sqrt(H)) on unmasked slots of rows with one; 0 elsewhere
-      for (int64_t r = 0; r < kRows; ++r) {
-        const float* p = w.sc.data() + r * S32;
-        const float* dpr = w.dp.data() + r * S32;
-        uint16_t* ds = w.da.data() + r * S32;
-        const __m512 Dr = _mm512_set1_ps(D[r]);
-        for (int64_t s0 = 0; s0 < S32; s0 += 16) {
-          __mmask16 ok = 0;
-          if (r < R && valid[r] > 0 && w.live[s0 / 16]) ok = Valid16(m + r * d.S + s0, d.S - s0);
-          const __m512 x = _mm512_mul_ps(
-              _mm512_mul_ps(_mm512_loadu_ps(p + s0), _mm512_sub_ps(_mm512_loadu_ps(dpr + s0), Dr)),
-              sv);
-          StoreBf16(ds + s0, _mm512_maskz_mov_ps(ok, x));
+      // p and ds = round(p (dp - D) / sqrt(H)) (on unmasked slots of rows that have one),
+      // both rounded to bf16: ds as rows (dQ) and both paired over row pairs (dK, dV)
+      for (int64_t i = 0; i < kRows / 2; ++i) {
+        for (int64_t j = 0; j < NB; ++j) {
+          __m512 p[2], ds[2];
+          for (int x = 0; x < 2; ++x) {
+            const int64_t r = 2 * i + x;
+            p[x] = ds[x] = _mm512_setzero_ps();
+            if (!w.use[j]) continue;
+            p[x] = _mm512_maskz_mul_ps(PMask(d, w, st, r, j),
+                                       _mm512_loadu_ps(w.sc.data() + r * S32 + 16 * j),
+                                       _mm512_set1_ps(st.inv[r]));
+            const __mmask16 ok = st.uniform[r] ? __mmask16{0} : w.ok[r * NB + j];
+            const __m512 dpr = _mm512_loadu_ps(w.dp.data() + r * S32 + 16 * j);
+            ds[x] = RoundBf16(_mm512_maskz_mul_ps(
+                ok, _mm512_mul_ps(p[x], _mm512_sub_ps(dpr, _mm512_set1_ps(D[r]))), sv));
+            p[x] = RoundBf16(p[x]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.da.data() + r * S32 + 16 * j),
+                                Bf16Bits(ds[x]));
+          }
+          if (!w.use[j]) {
+            for (int x = 0; x < 2; ++x) {
+              _mm256_storeu_si256(
+                  reinterpret_cast<__m256i*>(w.da.data() + (2 * i + x) * S32 + 16 * j),
+                  _mm256_setzero_si256());
+            }
+          }
+          const auto pair = [](__m512 lo, __m512 hi) {
+            return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                                   _mm512_castps_si512(hi));
+          };
+          _mm512_storeu_si512(w.pp.data() + j * kTileElems + 32 * i, pair(p[0], p[1]));
+          _mm512_storeu_si512(w.dsp.data() + j * kTileElems + 32 * i, pair(ds[0], ds[1]));
         }
       }
-      RowsToBf16(w.sc.data(), kRows * S32, w.pa.data());
-      PairOverRows(w.pa.data(), kRows, S32, S32, w.pp.data());
-      PairOverRows(w.da.data(), kRows, S32, S32, w.dsp.data());
-      Live32(w, false, w.live32.data());
       RowsTimesPairRows(w.da.data(), S32, w.ks.data(), w.live32.data(), H32, w.out.data());
       for (int64_t r = 0; r < R; ++r) {  // back through the rotation of q
-        float* g = w.out.data() + r * H32;
-        RopeGrad(d, rope.Sin(d, b, t0 + r), rope.Cos(d, b, t0 + r), true, g);
-        std::memcpy(dq + ((b * d.T + t0 + r) * d.N + n) * d.H, g, d.H * sizeof(float));
+        RopeGradRow(d, w.out.data() + r * H32, rope.Sin(d, b, t0 + r), rope.Cos(d, b, t0 + r),
+                    dq + ((b * d.T + t0 + r) * d.N + n) * d.H);
       }
-      for (int64_t j = 0; j < S32 / 16; ++j) w.dvl[j] = uniform || w.live[j];
-      AddTransposed(w.gt.data(), w.pp.data(), w.dvl.data(), H32, S32, w.dvt.data());
+      AddTransposed(w.gt.data(), w.pp.data(), w.use.data(), H32, S32, w.dvt.data());
       AddTransposed(w.qt.data(), w.dsp.data(), w.live.data(), H32, S32, w.dkt.data());
     }
   }
   _tile_release();
-  float* g = w.row.data();
+  float* g = w.out.data();
   for (int64_t s = 0; s < d.S; ++s) {
     const int64_t at = ((b * d.S + s) * d.K + kh) * d.H;
     for (int64_t h = 0; h < d.H; ++h) g[h] = w.dkt[h * S32 + s];
-    RopeGrad(d, rope.Sin(d, b, s), rope.Cos(d, b, s), true, g);
-    std::memcpy(dk + at, g, d.H * sizeof(float));
+    RopeGradRow(d, g, rope.Sin(d, b, s), rope.Cos(d, b, s), dk + at);
     for (int64_t h = 0; h < d.H; ++h) dv[at + h] = w.dvt[h * S32 + s];
   }
 }
