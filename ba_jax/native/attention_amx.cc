@@ -361,6 +361,17 @@ inline __m256i Bf16Bits(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(RoundBf16(x)), 16));
 }
 
+// Prefetches rows t0 .. t0 + 31 of head n of x [B, T, N, H] (row bytes `bytes`) into the cache:
+// the next chunk's rows lie a head stride apart, too far for the hardware prefetcher to see.
+inline void PrefetchRows(const Dims& d, const void* x, int64_t bytes, int64_t b, int64_t t0,
+                         int64_t n) {
+  const int64_t end = std::min(t0 + kRows, d.T);
+  for (int64_t t = t0; t < end; ++t) {
+    const char* row = static_cast<const char*>(x) + ((b * d.T + t) * d.N + n) * bytes;
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(row + i, _MM_HINT_T0);
+  }
+}
+
 // The chunk's rotated q rows (and their transpose when `transpose`), zero rows from R on.
 void LoadQueries(const Dims& d, const uint16_t* q, const RopeTables& rope, int64_t b,
                  int64_t t0, int64_t R, int64_t n, Work& w, bool transpose) {
@@ -411,6 +422,7 @@ BA_AMX void AmxForwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
     for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
       const int64_t R = std::min(kRows, d.T - t0);
       LoadQueries(d, q, rope, b, t0, R, n, w, false);
+      PrefetchRows(d, q, d.H * 2, b, t0 + kRows, n);
       ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
       for (int64_t r = 0; r < kRows; ++r) {  // p rounded to bf16, zero off the blocks in use
         const float* e = w.sc.data() + r * S32;
@@ -460,6 +472,7 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
     for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
       const int64_t R = std::min(kRows, d.T - t0);
       LoadQueries(d, q, rope, b, t0, R, n, w, true);
+      PrefetchRows(d, q, d.H * 2, b, t0 + kRows, n);
       float D[kRows];  // do . o per row
       for (int64_t r = 0; r < kRows; ++r) {
         uint16_t* g = w.ga.data() + r * H32;
@@ -476,6 +489,8 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
         }
         D[r] = _mm512_reduce_add_ps(acc);
       }
+      PrefetchRows(d, dout, d.H * 2, b, t0 + kRows, n);
+      PrefetchRows(d, o, d.H * 4, b, t0 + kRows, n);
       for (int64_t h = 0; h < H32; ++h)
         for (int64_t r = 0; r < kRows; ++r) w.gt[h * kRows + r] = w.ga[r * H32 + h];
       ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
