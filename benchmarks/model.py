@@ -14,6 +14,7 @@ the ba_jax worker) at 6N FLOPs/token.
 
     python benchmarks/model.py [--steps 5] [--precisions f32,bf16]
     python benchmarks/model.py --cache-write    # KV-cache slot write, plain vs qwen._cache_write
+    python benchmarks/model.py --attention      # bf16 attention kernel, AVX-512 loops vs AMX
 """
 
 from __future__ import annotations
@@ -111,6 +112,41 @@ def cache_write() -> None:
         print(f"| {jnp.dtype(dt).name} | {row[0]:.2f} | {row[1]:.2f} |")
 
 
+def attention_paths(rounds: int = 20) -> None:
+    """The bf16 training attention kernel (native.attention / attention_grad) at the
+    benchmark's shapes, causal mask, on its AVX-512 loops and on AMX tiles, alternating in
+    this process; per-call medians in ms (one call covers all 8 rows and heads of a layer)."""
+    from ba_jax import native
+    from ba_jax.models import qwen
+    if not native.attention_amx_available():
+        raise SystemExit("the AMX attention path needs the native library and AMX-BF16")
+    N, K, H = HF_KW["num_attention_heads"], HF_KW["num_key_value_heads"], HF_KW["head_dim"]
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, do = (jax.random.normal(r, (B, T, N, H), jnp.bfloat16) for r in (ks[0], ks[3]))
+    k, v = (jax.random.normal(r, (B, T, K, H), jnp.bfloat16) for r in (ks[1], ks[2]))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    sin, cos = qwen._rope_tables(jnp.broadcast_to(jnp.arange(T), (B, T)), H, 1e6)
+    fwd, bwd = jax.jit(native.attention), jax.jit(native.attention_grad)
+    o = fwd(q, k, v, mask, sin, cos)
+    calls = {"forward": lambda: fwd(q, k, v, mask, sin, cos),
+             "backward": lambda: bwd(q, k, v, mask, sin, cos, o, do)[0]}
+    times = {(path, c): [] for path in ("avx512", "amx") for c in calls}
+    for r in range(rounds + 1):
+        for path in ("avx512", "amx") if r % 2 else ("amx", "avx512"):
+            native.use_amx_attention(path == "amx")
+            for c, f in calls.items():
+                t0 = time.perf_counter()
+                f().block_until_ready()
+                if r:  # round 0 compiles and warms up
+                    times[path, c].append((time.perf_counter() - t0) * 1e3)
+    native.use_amx_attention(True)
+    print("| call | AVX-512 loops ms | AMX ms | ratio |")
+    print("|---|---:|---:|---:|")
+    for c in calls:
+        a, m = (statistics.median(times[p, c]) for p in ("avx512", "amx"))
+        print(f"| {c} | {a:.2f} | {m:.2f} | {a / m:.2f}x |")
+
+
 def ours_setup(hf_dir: str, precision: str):
     """Worker: the jitted ba_jax step (compiled here); one timed step per request."""
     step, params, opt_state = make_jax_step(hf_dir, jnp.bfloat16 if precision == "bf16"
@@ -161,6 +197,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--precisions", default="f32,bf16")
     parser.add_argument("--cache-write", action="store_true", help="only the KV-cache write")
+    parser.add_argument("--attention", action="store_true",
+                        help="only the bf16 attention kernel: AVX-512 loops vs AMX tiles")
     parser.add_argument("--keep-freed", action="store_true",
                         help="ba_jax: keep freed memory (BA_JAX_KEEP_FREED_MEMORY=1)")
     parser.add_argument("--peer-keep-freed", action="store_true",
@@ -171,6 +209,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.cache_write:
         return cache_write()
+    if args.attention:
+        return attention_paths()
     if (args.worker == "ours" and args.keep_freed) or (args.worker == "peer" and
                                                        args.peer_keep_freed):
         hostmem.keep_freed_memory()  # as BA_JAX_KEEP_FREED_MEMORY=1 does (ba_jax/hostmem.py)
