@@ -29,9 +29,8 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "attention.h"
-
-extern "C" int BaAmxAvailable();  // matmul_amx.cc: AMX-BF16 present and tile state granted
 
 namespace {
 std::atomic<bool> use_amx{true};
@@ -42,8 +41,6 @@ extern "C" void BaAttentionUseAmx(int on) { use_amx.store(on != 0); }
 
 #ifdef BA_AVX512
 
-#define BA_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx2")))
-
 namespace ba_attention {
 namespace {
 
@@ -52,24 +49,7 @@ constexpr int64_t kTileElems = 512;  // bf16 elements of one 16 x 64-byte tile
 
 inline int64_t Up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-BA_AMX void ConfigureTiles() {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+using ba_amx::ConfigureTiles;
 
 // Per-thread buffers of one unit, kept between calls (S32, H32: S and H padded to 32).
 struct Work {
@@ -397,55 +377,73 @@ __attribute__((noinline)) Work& ThreadWork() {
   return w;
 }
 
+// This thread's buffers for unit (b, kh), sized, with the tiles configured and the rotated
+// keys packed for the scores (their rows stay in w.xb).
+BA_AMX Work& StartUnit(const Dims& d, const uint16_t* k, const RopeTables& rope, int64_t b,
+                       int64_t kh) {
+  Work& w = ThreadWork();
+  w.Resize(Up(d.S, 32), Up(d.H, 32));
+  ConfigureTiles();
+  LoadSlots(d, k, b, kh, &rope, w);
+  PairOverH(w.xb.data(), w.S32, w.H32, w.kh.data());
+  return w;
+}
+
+// chunk(n, t0, R) for the 32-row chunks (R rows, the last one shorter) of every query head
+// n of kv head kh, after their rotated q rows are in w.qa (and their transpose in w.qt when
+// `transpose`); the next chunk's q rows are prefetched meanwhile.
+template <typename F>
+void ForEachChunk(const Dims& d, const uint16_t* q, const RopeTables& rope, int64_t b,
+                  int64_t kh, bool transpose, Work& w, F chunk) {
+  const int64_t G = d.N / d.K;
+  for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
+    for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
+      const int64_t R = std::min(kRows, d.T - t0);
+      LoadQueries(d, q, rope, b, t0, R, n, w, transpose);
+      PrefetchRows(d, q, d.H * 2, b, t0 + kRows, n);
+      chunk(n, t0, R);
+    }
+  }
+}
+
 }  // namespace
 
 bool AmxEnabled() {
-  static const bool ready = BaAmxAvailable() != 0;
-  return ready && use_amx.load(std::memory_order_relaxed);
+  return ba_amx::AmxReady() && use_amx.load(std::memory_order_relaxed);
 }
 
 BA_AMX void AmxForwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
                            const uint16_t* v, const bool* mask, const RopeTables& rope,
                            float* o, int64_t b, int64_t kh) {
-  Work& w = ThreadWork();
-  w.Resize(Up(d.S, 32), Up(d.H, 32));
+  Work& w = StartUnit(d, k, rope, b, kh);
   const int64_t S32 = w.S32, H32 = w.H32;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
-  ConfigureTiles();
-  LoadSlots(d, k, b, kh, &rope, w);
-  PairOverH(w.xb.data(), S32, H32, w.kh.data());
   LoadSlots(d, v, b, kh, nullptr, w);
   PairOverRows(w.xb.data(), S32, H32, H32, w.vs.data());
   RowStats st;
-  const int64_t G = d.N / d.K;
-  for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
-    for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
-      const int64_t R = std::min(kRows, d.T - t0);
-      LoadQueries(d, q, rope, b, t0, R, n, w, false);
-      PrefetchRows(d, q, d.H * 2, b, t0 + kRows, n);
-      ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
-      for (int64_t r = 0; r < kRows; ++r) {  // p rounded to bf16, zero off the blocks in use
-        const float* e = w.sc.data() + r * S32;
-        uint16_t* pa = w.pa.data() + r * S32;
-        const __m512 inv = _mm512_set1_ps(st.inv[r]);
-        for (int64_t j = 0; j < w.NB; ++j) {
-          __m256i bits = _mm256_setzero_si256();
-          if (w.use[j]) {
-            bits = Bf16Bits(_mm512_maskz_mul_ps(PMask(d, w, st, r, j),
-                                                _mm512_loadu_ps(e + 16 * j), inv));
-          }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + 16 * j), bits);
+  ForEachChunk(d, q, rope, b, kh, false, w, [&](int64_t n, int64_t t0, int64_t R) {
+    ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
+    for (int64_t r = 0; r < kRows; ++r) {  // p rounded to bf16, zero off the blocks in use
+      const float* e = w.sc.data() + r * S32;
+      uint16_t* pa = w.pa.data() + r * S32;
+      const __m512 inv = _mm512_set1_ps(st.inv[r]);
+      for (int64_t j = 0; j < w.NB; ++j) {
+        __m256i bits = _mm256_setzero_si256();
+        if (w.use[j]) {
+          bits = Bf16Bits(_mm512_maskz_mul_ps(PMask(d, w, st, r, j),
+                                              _mm512_loadu_ps(e + 16 * j), inv));
         }
-      }
-      RowsTimesPairRows(w.pa.data(), S32, w.vs.data(), w.use32.data(), H32, w.out.data());
-      for (int64_t r = 0; r < R; ++r) {
-        float* dst = o + ((b * d.T + t0 + r) * d.N + n) * d.H;
-        for (int64_t h = 0; h < d.H; h += 16) {
-          Store16(dst + h, _mm512_loadu_ps(w.out.data() + r * H32 + h), d.H - h);
-        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa + 16 * j), bits);
       }
     }
-  }
+    RowsTimesPairRows(w.pa.data(), S32, w.vs.data(), w.use32.data(), H32, w.out.data());
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = o + ((b * d.T + t0 + r) * d.N + n) * d.H;
+      for (int64_t h = 0; h < d.H; h += 16) {
+        Store16(dst + h, _mm512_loadu_ps(w.out.data() + r * H32 + h), d.H - h);
+      }
+    }
+  });
   _tile_release();
 }
 
@@ -453,92 +451,82 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, const bool* mask, const RopeTables& rope,
                             const float* o, const uint16_t* dout, float* dq, float* dk,
                             float* dv, int64_t b, int64_t kh) {
-  Work& w = ThreadWork();
-  w.Resize(Up(d.S, 32), Up(d.H, 32));
+  Work& w = StartUnit(d, k, rope, b, kh);
   const int64_t S32 = w.S32, H32 = w.H32, NB = w.NB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   const __m512 sv = _mm512_set1_ps(scale);
-  ConfigureTiles();
-  LoadSlots(d, k, b, kh, &rope, w);
-  PairOverH(w.xb.data(), S32, H32, w.kh.data());
   PairOverRows(w.xb.data(), S32, H32, H32, w.ks.data());
   LoadSlots(d, v, b, kh, nullptr, w);
   PairOverH(w.xb.data(), S32, H32, w.vh.data());
   std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);
   std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
   RowStats st;
-  const int64_t G = d.N / d.K;
-  for (int64_t n = kh * G; n < (kh + 1) * G; ++n) {
-    for (int64_t t0 = 0; t0 < d.T; t0 += kRows) {
-      const int64_t R = std::min(kRows, d.T - t0);
-      LoadQueries(d, q, rope, b, t0, R, n, w, true);
-      PrefetchRows(d, q, d.H * 2, b, t0 + kRows, n);
-      float D[kRows];  // do . o per row
-      for (int64_t r = 0; r < kRows; ++r) {
-        uint16_t* g = w.ga.data() + r * H32;
-        D[r] = 0.0f;
-        if (r >= R) {
-          std::fill(g, g + H32, uint16_t{0});
-          continue;
-        }
-        const int64_t at = ((b * d.T + t0 + r) * d.N + n) * d.H;
-        CopyBf16Row(dout + at, d.H, H32, g);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t h = 0; h < d.H; h += 16) {
-          acc = _mm512_fmadd_ps(Load16(g + h, d.H - h), Load16(o + at + h, d.H - h), acc);
-        }
-        D[r] = _mm512_reduce_add_ps(acc);
+  ForEachChunk(d, q, rope, b, kh, true, w, [&](int64_t n, int64_t t0, int64_t R) {
+    float D[kRows];  // do . o per row
+    for (int64_t r = 0; r < kRows; ++r) {
+      uint16_t* g = w.ga.data() + r * H32;
+      D[r] = 0.0f;
+      if (r >= R) {
+        std::fill(g, g + H32, uint16_t{0});
+        continue;
       }
-      PrefetchRows(d, dout, d.H * 2, b, t0 + kRows, n);
-      PrefetchRows(d, o, d.H * 4, b, t0 + kRows, n);
-      for (int64_t h = 0; h < H32; ++h)
-        for (int64_t r = 0; r < kRows; ++r) w.gt[h * kRows + r] = w.ga[r * H32 + h];
-      ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
-      RowsTimesPairH(w.ga.data(), H32, w.vh.data(), w.live.data(), S32, w.dp.data());
-      // p and ds = round(p (dp - D) / sqrt(H)) (on unmasked slots of rows that have one),
-      // both rounded to bf16: ds as rows (dQ) and both paired over row pairs (dK, dV)
-      for (int64_t i = 0; i < kRows / 2; ++i) {
-        for (int64_t j = 0; j < NB; ++j) {
-          __m512 p[2], ds[2];
-          for (int x = 0; x < 2; ++x) {
-            const int64_t r = 2 * i + x;
-            p[x] = ds[x] = _mm512_setzero_ps();
-            if (!w.use[j]) continue;
-            p[x] = _mm512_maskz_mul_ps(PMask(d, w, st, r, j),
-                                       _mm512_loadu_ps(w.sc.data() + r * S32 + 16 * j),
-                                       _mm512_set1_ps(st.inv[r]));
-            const __mmask16 ok = st.uniform[r] ? __mmask16{0} : w.ok[r * NB + j];
-            const __m512 dpr = _mm512_loadu_ps(w.dp.data() + r * S32 + 16 * j);
-            ds[x] = RoundBf16(_mm512_maskz_mul_ps(
-                ok, _mm512_mul_ps(p[x], _mm512_sub_ps(dpr, _mm512_set1_ps(D[r]))), sv));
-            p[x] = RoundBf16(p[x]);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.da.data() + r * S32 + 16 * j),
-                                Bf16Bits(ds[x]));
-          }
-          if (!w.use[j]) {
-            for (int x = 0; x < 2; ++x) {
-              _mm256_storeu_si256(
-                  reinterpret_cast<__m256i*>(w.da.data() + (2 * i + x) * S32 + 16 * j),
-                  _mm256_setzero_si256());
-            }
-          }
-          const auto pair = [](__m512 lo, __m512 hi) {
-            return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
-                                   _mm512_castps_si512(hi));
-          };
-          _mm512_storeu_si512(w.pp.data() + j * kTileElems + 32 * i, pair(p[0], p[1]));
-          _mm512_storeu_si512(w.dsp.data() + j * kTileElems + 32 * i, pair(ds[0], ds[1]));
-        }
+      const int64_t at = ((b * d.T + t0 + r) * d.N + n) * d.H;
+      CopyBf16Row(dout + at, d.H, H32, g);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t h = 0; h < d.H; h += 16) {
+        acc = _mm512_fmadd_ps(Load16(g + h, d.H - h), Load16(o + at + h, d.H - h), acc);
       }
-      RowsTimesPairRows(w.da.data(), S32, w.ks.data(), w.live32.data(), H32, w.out.data());
-      for (int64_t r = 0; r < R; ++r) {  // back through the rotation of q
-        RopeGradRow(d, w.out.data() + r * H32, rope.Sin(d, b, t0 + r), rope.Cos(d, b, t0 + r),
-                    dq + ((b * d.T + t0 + r) * d.N + n) * d.H);
-      }
-      AddTransposed(w.gt.data(), w.pp.data(), w.use.data(), H32, S32, w.dvt.data());
-      AddTransposed(w.qt.data(), w.dsp.data(), w.live.data(), H32, S32, w.dkt.data());
+      D[r] = _mm512_reduce_add_ps(acc);
     }
-  }
+    PrefetchRows(d, dout, d.H * 2, b, t0 + kRows, n);
+    PrefetchRows(d, o, d.H * 4, b, t0 + kRows, n);
+    for (int64_t h = 0; h < H32; ++h)
+      for (int64_t r = 0; r < kRows; ++r) w.gt[h * kRows + r] = w.ga[r * H32 + h];
+    ChunkSoftmax(d, mask + (b * d.T + t0) * d.S, R, scale, w, st);
+    RowsTimesPairH(w.ga.data(), H32, w.vh.data(), w.live.data(), S32, w.dp.data());
+    // p and ds = round(p (dp - D) / sqrt(H)) (on unmasked slots of rows that have one),
+    // both rounded to bf16: ds as rows (dQ) and both paired over row pairs (dK, dV)
+    for (int64_t i = 0; i < kRows / 2; ++i) {
+      for (int64_t j = 0; j < NB; ++j) {
+        __m512 p[2], ds[2];
+        for (int x = 0; x < 2; ++x) {
+          const int64_t r = 2 * i + x;
+          p[x] = ds[x] = _mm512_setzero_ps();
+          if (!w.use[j]) continue;
+          p[x] = _mm512_maskz_mul_ps(PMask(d, w, st, r, j),
+                                     _mm512_loadu_ps(w.sc.data() + r * S32 + 16 * j),
+                                     _mm512_set1_ps(st.inv[r]));
+          const __mmask16 ok = st.uniform[r] ? __mmask16{0} : w.ok[r * NB + j];
+          const __m512 dpr = _mm512_loadu_ps(w.dp.data() + r * S32 + 16 * j);
+          ds[x] = RoundBf16(_mm512_maskz_mul_ps(
+              ok, _mm512_mul_ps(p[x], _mm512_sub_ps(dpr, _mm512_set1_ps(D[r]))), sv));
+          p[x] = RoundBf16(p[x]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.da.data() + r * S32 + 16 * j),
+                              Bf16Bits(ds[x]));
+        }
+        if (!w.use[j]) {
+          for (int x = 0; x < 2; ++x) {
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(w.da.data() + (2 * i + x) * S32 + 16 * j),
+                _mm256_setzero_si256());
+          }
+        }
+        const auto pair = [](__m512 lo, __m512 hi) {
+          return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
+                                 _mm512_castps_si512(hi));
+        };
+        _mm512_storeu_si512(w.pp.data() + j * kTileElems + 32 * i, pair(p[0], p[1]));
+        _mm512_storeu_si512(w.dsp.data() + j * kTileElems + 32 * i, pair(ds[0], ds[1]));
+      }
+    }
+    RowsTimesPairRows(w.da.data(), S32, w.ks.data(), w.live32.data(), H32, w.out.data());
+    for (int64_t r = 0; r < R; ++r) {  // back through the rotation of q
+      RopeGradRow(d, w.out.data() + r * H32, rope.Sin(d, b, t0 + r), rope.Cos(d, b, t0 + r),
+                  dq + ((b * d.T + t0 + r) * d.N + n) * d.H);
+    }
+    AddTransposed(w.gt.data(), w.pp.data(), w.use.data(), H32, S32, w.dvt.data());
+    AddTransposed(w.qt.data(), w.dsp.data(), w.live.data(), H32, S32, w.dkt.data());
+  });
   _tile_release();
   float* g = w.out.data();
   for (int64_t s = 0; s < d.S; ++s) {

@@ -21,8 +21,6 @@
 // the process the tile data state (Linux arch_prctl); without it callers use XLA's dot.
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "amx.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,49 +40,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#define BA_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx2")))
-
 constexpr int64_t kTile = 16;      // rows of a tile (and columns of a C/B tile)
 constexpr int64_t kTileK = 32;     // bf16 elements along K in one A tile row
 constexpr int64_t kBlock = 32;     // C block: 2 x 2 tiles
 constexpr int64_t kPanelN = 256;   // columns of one compute unit (B panel stays in L2)
 constexpr int64_t kPanelM = 128;   // rows of one compute unit
 
-bool RequestTileData() {
-  unsigned eax, ebx, ecx, edx;
-  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(0), "c"(0));
-  if (eax < 7) return false;
-  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-  const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-  const bool avx512bw = (ebx >> 30) & 1;
-  if (!amx_bf16 || !amx_tile || !avx512bw) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-bool AmxReady() {
-  static const bool ok = RequestTileData();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-BA_AMX void ConfigureTiles() {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    c.rows[i] = kTile;
-    c.colsb[i] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+using ba_amx::AmxReady;
+using ba_amx::ConfigureTiles;
 
 struct Plan {
   int64_t M, K, N;     // logical sizes of C = op(A) @ op(B)
