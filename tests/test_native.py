@@ -344,6 +344,33 @@ def test_attention_kernel_matches_xla_forward_and_backward(dtype, B, T, N, K, H,
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
 
 
+@needs_attention
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_kernel_random_mask_matches_xla(dtype, attention_path):
+    """A mask with holes everywhere (live 16-slot blocks next to dead ones, 32-slot chunks
+    with one live half, rows with one slot, a row with none among live rows)."""
+    if dtype == jnp.float32 and attention_path == "amx":
+        pytest.skip("the AMX path is bf16 only")
+    B, T, N, K, H = 2, 75, 4, 2, 32
+    ks = jax.random.split(jax.random.key(7), 5)
+    q, do = (jax.random.normal(r, (B, T, N, H), dtype) for r in (ks[0], ks[3]))
+    k, v = (jax.random.normal(r, (B, T, K, H), dtype) for r in (ks[1], ks[2]))
+    mask = jax.random.uniform(ks[4], (B, T, T)) < 0.15
+    mask = mask.at[:, :, 16:48].set(False)  # dead blocks: the 2nd half of a 32-slot chunk
+    #                                         and the 1st half of the next, for all rows
+    mask = mask.at[0, 40].set(False).at[1, 5].set(False)        # rows with no slot
+    mask = mask.at[0, 41].set(False).at[0, 41, 70].set(True)    # a row with one slot
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    sin, cos = qwen._rope_tables(positions, H, 1e4)
+    want, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask, sin, cos), q, k, v)
+    o32 = jax.jit(native.attention)(q, k, v, mask, sin, cos)
+    got = jax.jit(native.attention_grad)(q, k, v, mask, sin, cos, o32, do)
+    tol = 2e-6 if dtype == jnp.float32 else 4e-3
+    for a, b in [(o32.astype(dtype), want), *zip(got, vjp(do))]:
+        a, b = np.asarray(a.astype(dtype), np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+
+
 def _assert_elementwise_close(a, b, dtype):
     """A fused kernel's result against XLA's. float32: exp, division and square root differ
     from XLA's in the last bit; bfloat16: the same roundings, so equal but for a float32
