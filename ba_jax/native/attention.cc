@@ -72,6 +72,41 @@ struct Scratch {
   }
 };
 
+// Rotary embedding of one float32 row in place, with its position's sin/cos rows (HF
+// rotate-half: the two halves of H form the pairs), rounded to bf16 when the operands are.
+void Rope(const Dims& d, const float* sin, const float* cos, bool bf16, float* x) {
+  const int64_t half = d.H / 2;
+  alignas(64) float y[512];
+  for (int64_t h = 0; h < half; ++h) y[h] = x[h] * cos[h] - x[h + half] * sin[h];
+  for (int64_t h = half; h < d.H; ++h) y[h] = x[h] * cos[h] + x[h - half] * sin[h];
+  std::memcpy(x, y, d.H * sizeof(float));
+  if (bf16) {
+    for (int64_t h = 0; h < d.H; h += 16) {
+      _mm512_mask_storeu_ps(x + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(x + h)));
+    }
+  }
+}
+
+// The transpose of Rope (its gradient): dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
+// With bf16 operands g is rounded to bf16 first, as the XLA path's rotated-q/k gradient is.
+void RopeGrad(const Dims& d, const float* sin, const float* cos, bool bf16, float* g) {
+  if (bf16) {
+    for (int64_t h = 0; h < d.H; h += 16) {
+      _mm512_mask_storeu_ps(g + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(g + h)));
+    }
+  }
+  const int64_t half = d.H / 2;
+  alignas(64) float y[512];
+  for (int64_t h = 0; h < half; ++h) y[h] = g[h] * cos[h] + g[h + half] * sin[h + half];
+  for (int64_t h = half; h < d.H; ++h) y[h] = g[h] * cos[h] - g[h - half] * sin[h - half];
+  std::memcpy(g, y, d.H * sizeof(float));
+}
+
+template <typename T>
+void LoadRow(const Dims& d, const T* x, float* out) {
+  for (int64_t h = 0; h < d.H; h += 16) _mm512_storeu_ps(out + h, Load16(x + h, d.H - h));
+}
+
 // x[s, kh, :] of one row as float32 into a [Sp, Hp] copy and (when xt) an [Hp, Sp] one;
 // rotated first when rope is given (the keys).
 template <typename T>

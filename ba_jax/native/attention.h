@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "simd.h"
 
@@ -26,36 +25,6 @@ inline __mmask16 Valid16(const bool* m, int64_t n) {
   return _mm_cmpneq_epi8_mask(bytes, _mm_setzero_si128());
 }
 
-// Rotary embedding of one float32 row in place, with its position's sin/cos rows (HF
-// rotate-half: the two halves of H form the pairs), rounded to bf16 when the operands are.
-inline void Rope(const Dims& d, const float* sin, const float* cos, bool bf16, float* x) {
-  const int64_t half = d.H / 2;
-  alignas(64) float y[512];
-  for (int64_t h = 0; h < half; ++h) y[h] = x[h] * cos[h] - x[h + half] * sin[h];
-  for (int64_t h = half; h < d.H; ++h) y[h] = x[h] * cos[h] + x[h - half] * sin[h];
-  std::memcpy(x, y, d.H * sizeof(float));
-  if (bf16) {
-    for (int64_t h = 0; h < d.H; h += 16) {
-      _mm512_mask_storeu_ps(x + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(x + h)));
-    }
-  }
-}
-
-// The transpose of Rope (its gradient): dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin.
-// With bf16 operands g is rounded to bf16 first, as the XLA path's rotated-q/k gradient is.
-inline void RopeGrad(const Dims& d, const float* sin, const float* cos, bool bf16, float* g) {
-  if (bf16) {
-    for (int64_t h = 0; h < d.H; h += 16) {
-      _mm512_mask_storeu_ps(g + h, Lanes(d.H - h), RoundBf16(_mm512_loadu_ps(g + h)));
-    }
-  }
-  const int64_t half = d.H / 2;
-  alignas(64) float y[512];
-  for (int64_t h = 0; h < half; ++h) y[h] = g[h] * cos[h] + g[h + half] * sin[h + half];
-  for (int64_t h = half; h < d.H; ++h) y[h] = g[h] * cos[h] - g[h - half] * sin[h - half];
-  std::memcpy(g, y, d.H * sizeof(float));
-}
-
 // Position tables of row b: sin/cos [B, T, H] (slots use the same positions as queries).
 struct RopeTables {
   const float* sin;
@@ -63,11 +32,6 @@ struct RopeTables {
   const float* Sin(const Dims& d, int64_t b, int64_t t) const { return sin + (b * d.T + t) * d.H; }
   const float* Cos(const Dims& d, int64_t b, int64_t t) const { return cos + (b * d.T + t) * d.H; }
 };
-
-template <typename T>
-inline void LoadRow(const Dims& d, const T* x, float* out) {
-  for (int64_t h = 0; h < d.H; h += 16) _mm512_storeu_ps(out + h, Load16(x + h, d.H - h));
-}
 
 // AMX (attention_amx.cc): whether the processor has AMX-BF16 with the tile state granted and
 // the path is enabled (BaAttentionUseAmx), and the bf16 forward and backward of one (row, kv

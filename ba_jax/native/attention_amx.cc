@@ -492,24 +492,18 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
         for (int x = 0; x < 2; ++x) {
           const int64_t r = 2 * i + x;
           p[x] = ds[x] = _mm512_setzero_ps();
-          if (!w.use[j]) continue;
-          p[x] = _mm512_maskz_mul_ps(PMask(d, w, st, r, j),
-                                     _mm512_loadu_ps(w.sc.data() + r * S32 + 16 * j),
-                                     _mm512_set1_ps(st.inv[r]));
-          const __mmask16 ok = st.uniform[r] ? __mmask16{0} : w.ok[r * NB + j];
-          const __m512 dpr = _mm512_loadu_ps(w.dp.data() + r * S32 + 16 * j);
-          ds[x] = RoundBf16(_mm512_maskz_mul_ps(
-              ok, _mm512_mul_ps(p[x], _mm512_sub_ps(dpr, _mm512_set1_ps(D[r]))), sv));
-          p[x] = RoundBf16(p[x]);
+          if (w.use[j]) {
+            p[x] = _mm512_maskz_mul_ps(PMask(d, w, st, r, j),
+                                       _mm512_loadu_ps(w.sc.data() + r * S32 + 16 * j),
+                                       _mm512_set1_ps(st.inv[r]));
+            const __mmask16 ok = st.uniform[r] ? __mmask16{0} : w.ok[r * NB + j];
+            const __m512 dpr = _mm512_loadu_ps(w.dp.data() + r * S32 + 16 * j);
+            ds[x] = RoundBf16(_mm512_maskz_mul_ps(
+                ok, _mm512_mul_ps(p[x], _mm512_sub_ps(dpr, _mm512_set1_ps(D[r]))), sv));
+            p[x] = RoundBf16(p[x]);
+          }
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.da.data() + r * S32 + 16 * j),
                               Bf16Bits(ds[x]));
-        }
-        if (!w.use[j]) {
-          for (int x = 0; x < 2; ++x) {
-            _mm256_storeu_si256(
-                reinterpret_cast<__m256i*>(w.da.data() + (2 * i + x) * S32 + 16 * j),
-                _mm256_setzero_si256());
-          }
         }
         const auto pair = [](__m512 lo, __m512 hi) {
           return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16),
