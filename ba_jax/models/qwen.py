@@ -270,10 +270,11 @@ def _amx_operands(x, w, w_axes, layout):
     return x.reshape(-1, k), w2, out_shape
 
 
-def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],
+def _mm(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], w_axes: tuple[int, ...],
         out_dtype=jnp.float32) -> jax.Array:
     """Contracts x's trailing len(w_axes) dims with w's `w_axes`; the float32 sum, rounded
-    once to out_dtype.
+    once to out_dtype. A tuple w stands for its kernels side by side along their last axis
+    (the MLP's gate and up); its gradient is the tuple of their gradients.
 
     w (the parameter, in its own dtype) is cast to x's compute dtype inside, so that its
     gradient leaves the float32 accumulator in the parameter's dtype, with no bf16 rounding
@@ -281,19 +282,43 @@ def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...],
     forward is traced, and the backward follows that decision (it may be traced later,
     outside a `native_matmul` block).
     """
-    return _mm_vjp(x, w, w_axes, out_dtype, _amx_layout(x, w, w_axes))
+    w0 = w[0] if isinstance(w, tuple) else w
+    return _mm_vjp(x, w, w_axes, out_dtype, _amx_layout(x, w0, w_axes))
+
+
+def _compute_weight(w, dtype) -> jax.Array:
+    """w cast to the compute dtype; a tuple's kernels are each cast, then concatenated in
+    the compute dtype (in bf16 that copies half the bytes of a float32 concatenation followed
+    by a cast, which is what casting the concatenated kernels made XLA do every step)."""
+    if isinstance(w, tuple):
+        if dtype == jnp.bfloat16:
+            # As 16-bit integers: XLA:CPU would do a bf16 concatenation in float32 (a
+            # round trip through float32 for each kernel, then a float32 copy and a cast).
+            bits = [lax.bitcast_convert_type(p.astype(dtype), jnp.uint16) for p in w]
+            return lax.bitcast_convert_type(jnp.concatenate(bits, axis=-1), dtype)
+        return jnp.concatenate([p.astype(dtype) for p in w], axis=-1)
+    return w.astype(dtype)
+
+
+def _weight_cotangent(dw: jax.Array, w):
+    """dw (float32, the compute weight's shape) as w's cotangent: split back for a tuple."""
+    if isinstance(w, tuple):
+        cuts = np.cumsum([p.shape[-1] for p in w])[:-1].tolist()
+        return tuple(d.astype(p.dtype) for d, p in zip(jnp.split(dw, cuts, axis=-1), w))
+    return dw.astype(w.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _mm_vjp(x, w, w_axes, out_dtype, layout):
     n = len(w_axes)
+    w_c = _compute_weight(w, x.dtype)
     if layout is not None:
-        x2, w2, out_shape = _amx_operands(x, w, w_axes, layout)
+        x2, w2, out_shape = _amx_operands(x, w_c, w_axes, layout)
         y2 = native_kernels.matmul_amx(x2, w2, transpose_b=layout == "out_in",
                                        out_dtype=out_dtype)
         return y2.reshape(*x.shape[:x.ndim - n], *out_shape)
     dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
-    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    y = lax.dot_general(x, w_c, dims, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
@@ -344,8 +369,9 @@ def _weight_grad(x, g, w_axes, w_ndim):
 def _mm_bwd(w_axes, out_dtype, layout, res, g):
     x, w = res
     g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
+    w_c = _compute_weight(w, x.dtype)
     if layout is not None:
-        x2, w2, _ = _amx_operands(x, w, w_axes, layout)
+        x2, w2, _ = _amx_operands(x, w_c, w_axes, layout)
         g2 = g.reshape(x2.shape[0], -1)
         if layout == "in_out":  # dx = g w^T, dw = x^T g
             dx2 = native_kernels.matmul_amx(g2, w2, transpose_b=True, out_dtype=x.dtype)
@@ -353,14 +379,13 @@ def _mm_bwd(w_axes, out_dtype, layout, res, g):
         else:  # w = [out, in]: dx = g w, dw = g^T x
             dx2 = native_kernels.matmul_amx(g2, w2, out_dtype=x.dtype)
             dw2 = native_kernels.matmul_amx(g2, x2, transpose_a=True)
-        return dx2.reshape(x.shape), dw2.reshape(w.shape).astype(w.dtype)
-    w_c = w.astype(x.dtype)
+        return dx2.reshape(x.shape), _weight_cotangent(dw2.reshape(w_c.shape), w)
     n_free = x.ndim - len(w_axes)
-    w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
+    w_free = tuple(a for a in range(w_c.ndim) if a not in w_axes)
     g_wdims = tuple(range(n_free, g.ndim))
     dx = lax.dot_general(g, w_c, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
-    dw = _weight_grad(x, g, w_axes, w.ndim)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    dw = _weight_grad(x, g, w_axes, w_c.ndim)
+    return dx.astype(x.dtype), _weight_cotangent(dw, w)
 
 
 _mm_vjp.defvjp(_mm_fwd, _mm_bwd)
@@ -623,7 +648,8 @@ class MLP(nnx.Module):
         out_shape = (2 * self.gate_proj.kernel[...].shape[-1],)
         y = _packed_mm(self, x_BTD, 1, out_shape, dtype)
         if y is None:
-            y = _mm(x_BTD.astype(dtype), self.gate_up_kernel(), (0,), dtype)
+            y = _mm(x_BTD.astype(dtype), (self.gate_proj.kernel[...], self.up_proj.kernel[...]),
+                    (0,), dtype)
         return y
 
 
