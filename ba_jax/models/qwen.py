@@ -217,7 +217,7 @@ def packed_weights(model: "Qwen", *, unsharded: bool = False):
         for module in modules:
             if isinstance(module, MLP):
                 packed[id(module)] = (module, native_kernels.pack_amx(
-                    module.gate_up_kernel().astype(jnp.bfloat16)))
+                    _compute_weight(module.gate_up_kernels(), jnp.bfloat16)))
             elif isinstance(module, Linear) and id(module) not in in_gate_up:
                 w = module.kernel[...]
                 k = math.prod(w.shape[:module.n_in])
@@ -636,9 +636,10 @@ class MLP(nnx.Module):
         return self.down_proj(fused.swiglu(self.gate_up(x_BTD),
                                            _use_native_elementwise(self.gate_proj.dtype)))
 
-    def gate_up_kernel(self) -> jax.Array:
-        """[D, 2F]: the gate and up kernels side by side, in their parameter dtype."""
-        return jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], axis=-1)
+    def gate_up_kernels(self) -> tuple[jax.Array, jax.Array]:
+        """The gate and up kernels [D, F], in their parameter dtype: what `_mm` and the
+        packed products put side by side ([D, 2F])."""
+        return self.gate_proj.kernel[...], self.up_proj.kernel[...]
 
     def gate_up(self, x_BTD: jax.Array) -> jax.Array:
         """[gate(x), up(x)] [B, T, 2F] in the compute dtype, as one product by the
@@ -648,8 +649,7 @@ class MLP(nnx.Module):
         out_shape = (2 * self.gate_proj.kernel[...].shape[-1],)
         y = _packed_mm(self, x_BTD, 1, out_shape, dtype)
         if y is None:
-            y = _mm(x_BTD.astype(dtype), (self.gate_proj.kernel[...], self.up_proj.kernel[...]),
-                    (0,), dtype)
+            y = _mm(x_BTD.astype(dtype), self.gate_up_kernels(), (0,), dtype)
         return y
 
 
