@@ -259,12 +259,12 @@ def attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH) -> jax.Array:
 
 
 def attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o_BTNH, do_BTNH):
-    """Gradients (dq, dk, dv, float32, with respect to the un-rotated q and k) of
-    `attention` for the output cotangent do (in the operands' dtype), given its float32
-    output o; the probabilities are recomputed."""
+    """Gradients (dq, dk, dv, with respect to the un-rotated q and k; float32 sums rounded
+    once to the operands' dtype) of `attention` for the output cotangent do (in the
+    operands' dtype), given its float32 output o; the probabilities are recomputed."""
     _check_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
-    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731
-    call = jax.ffi.ffi_call(_TARGET_ATTENTION_GRAD, (f32(q_BTNH), f32(k_BTKH), f32(v_BTKH)))
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, q_BTNH.dtype)  # noqa: E731
+    call = jax.ffi.ffi_call(_TARGET_ATTENTION_GRAD, (like(q_BTNH), like(k_BTKH), like(v_BTKH)))
     return call(q_BTNH, k_BTKH, v_BTKH, mask_BTS.astype(bool), sin_BTH.astype(jnp.float32),
                 cos_BTH.astype(jnp.float32), o_BTNH.astype(jnp.float32),
                 do_BTNH.astype(q_BTNH.dtype))

@@ -301,8 +301,8 @@ void ForwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool* 
 
 template <typename T>
 void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool* mask,
-                  const RopeTables& rope, const float* o, const T* dout, float* dq, float* dk,
-                  float* dv, int64_t b, int64_t kh, Scratch& w) {
+                  const RopeTables& rope, const float* o, const T* dout, T* dq, T* dk, T* dv,
+                  int64_t b, int64_t kh, Scratch& w) {
   constexpr bool kBf16 = std::is_same<T, uint16_t>::value;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   LoadSlots(d, k, b, kh, w.kf.data(), w.kt.data(), &rope);
@@ -362,16 +362,15 @@ void BackwardUnit(const Dims& d, const T* q, const T* k, const T* v, const bool*
       WeightedRows(d, ds, w.kf.data(), w.live.data(), false, dqf);
       for (int r = 0; r < R; ++r) {  // back through the rotation of q
         RopeGrad(d, rope.Sin(d, b, t0 + r), rope.Cos(d, b, t0 + r), kBf16, dqf + r * d.Hp);
-        std::memcpy(dq + ((b * d.T + t0 + r) * d.N + n) * d.H, dqf + r * d.Hp,
-                    d.H * sizeof(float));
+        StoreRow(dq + ((b * d.T + t0 + r) * d.N + n) * d.H, dqf + r * d.Hp, d.H);
       }
     }
   }
   for (int64_t s = 0; s < d.S; ++s) {
     const int64_t at = ((b * d.S + s) * d.K + kh) * d.H;
     RopeGrad(d, rope.Sin(d, b, s), rope.Cos(d, b, s), kBf16, w.dk.data() + s * d.Hp);
-    std::memcpy(dk + at, w.dk.data() + s * d.Hp, d.H * sizeof(float));
-    std::memcpy(dv + at, w.dv.data() + s * d.Hp, d.H * sizeof(float));
+    StoreRow(dk + at, w.dk.data() + s * d.Hp, d.H);
+    StoreRow(dv + at, w.dv.data() + s * d.Hp, d.H);
   }
 }
 
@@ -389,6 +388,10 @@ void ForEachUnit(ffi::ThreadPool& pool, const Dims& d, F unit) {
 template <typename T>
 const T* Data(const ffi::AnyBuffer& x) {
   return static_cast<const T*>(x.untyped_data());
+}
+template <typename T>
+T* Out(ffi::Result<ffi::AnyBuffer>& x) {
+  return static_cast<T*>(x->untyped_data());
 }
 
 ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -459,8 +462,8 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::F32> sin,
                     ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> o, ffi::AnyBuffer dout,
-                    ffi::Result<ffi::Buffer<ffi::F32>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dk,
-                    ffi::Result<ffi::Buffer<ffi::F32>> dv) {
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv) {
   Dims d;
   if (auto err = Check(q, k, v, mask, d); err.failure()) return err;
   RopeTables rope;
@@ -469,12 +472,16 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
       dout.element_count() != q.element_count()) {
     return ffi::Error::InvalidArgument("attention backward: o and do must match q");
   }
+  if (dq->element_type() != q.element_type() || dk->element_type() != q.element_type() ||
+      dv->element_type() != q.element_type()) {
+    return ffi::Error::InvalidArgument("attention backward: gradients in q's dtype");
+  }
   const bool* m = mask.typed_data();
   const float* op = o.typed_data();
-  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T *qp = Data<T>(q), *kp = Data<T>(k), *vp = Data<T>(v), *gp = Data<T>(dout);
+    T *dqp = Out<T>(dq), *dkp = Out<T>(dk), *dvp = Out<T>(dv);
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
       BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
     });
@@ -484,6 +491,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   } else if (AmxEnabled()) {
     const auto *qp = Data<uint16_t>(q), *kp = Data<uint16_t>(k), *vp = Data<uint16_t>(v),
                *gp = Data<uint16_t>(dout);
+    auto *dqp = Out<uint16_t>(dq), *dkp = Out<uint16_t>(dk), *dvp = Out<uint16_t>(dv);
     ba_native::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
       AmxBackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, i / d.K, i % d.K);
     });
@@ -503,9 +511,8 @@ ffi::Error Forward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuff
 
 ffi::Error Backward(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                     ffi::Buffer<ffi::PRED>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
-                    ffi::Buffer<ffi::F32>, ffi::AnyBuffer,
-                    ffi::Result<ffi::Buffer<ffi::F32>>, ffi::Result<ffi::Buffer<ffi::F32>>,
-                    ffi::Result<ffi::Buffer<ffi::F32>>) {
+                    ffi::Buffer<ffi::F32>, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>,
+                    ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>) {
   return ffi::Error::InvalidArgument("attention kernel built without AVX-512");
 }
 
@@ -543,6 +550,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BaAttentionBackward, Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -41,8 +41,8 @@ void AmxForwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k, const u
                     const bool* mask, const RopeTables& rope, float* o, int64_t b, int64_t kh);
 void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                      const bool* mask, const RopeTables& rope, const float* o,
-                     const uint16_t* dout, float* dq, float* dk, float* dv, int64_t b,
-                     int64_t kh);
+                     const uint16_t* dout, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                     int64_t b, int64_t kh);
 
 }  // namespace ba_attention
 

@@ -127,7 +127,7 @@ inline void RopeBf16Row(const Dims& d, const uint16_t* x, const float* sin, cons
 // The transpose of the rotation for a float32 gradient row g (rounded to bf16 first, as
 // `RopeGrad`), stored as float32 into dst [H].
 inline void RopeGradRow(const Dims& d, const float* g, const float* sin, const float* cos,
-                        float* dst) {
+                        uint16_t* dst) {
   const int64_t half = d.H / 2;
   for (int64_t h = 0; h < half; h += 16) {
     const int64_t n = half - h;
@@ -449,8 +449,8 @@ BA_AMX void AmxForwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
 
 BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
                             const uint16_t* v, const bool* mask, const RopeTables& rope,
-                            const float* o, const uint16_t* dout, float* dq, float* dk,
-                            float* dv, int64_t b, int64_t kh) {
+                            const float* o, const uint16_t* dout, uint16_t* dq, uint16_t* dk,
+                            uint16_t* dv, int64_t b, int64_t kh) {
   Work& w = StartUnit(d, k, rope, b, kh);
   const int64_t S32 = w.S32, H32 = w.H32, NB = w.NB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
@@ -527,7 +527,8 @@ BA_AMX void AmxBackwardUnit(const Dims& d, const uint16_t* q, const uint16_t* k,
     const int64_t at = ((b * d.S + s) * d.K + kh) * d.H;
     for (int64_t h = 0; h < d.H; ++h) g[h] = w.dkt[h * S32 + s];
     RopeGradRow(d, g, rope.Sin(d, b, s), rope.Cos(d, b, s), dk + at);
-    for (int64_t h = 0; h < d.H; ++h) dv[at + h] = w.dvt[h * S32 + s];
+    for (int64_t h = 0; h < d.H; ++h) g[h] = w.dvt[h * S32 + s];
+    StoreRow(dv + at, g, d.H);
   }
 }
 

@@ -62,13 +62,22 @@ inline void Store16(float* p, __m512 x, int64_t n) {
   }
 }
 inline void Store16(uint16_t* p, __m512 x, int64_t n) {
-  const __m256i h =
-      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(RoundBf16(x)), 16));
+  // a NaN whose payload sits below the kept bits is made quiet, so it stays a NaN
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i u = _mm512_mask_or_epi32(_mm512_castps_si512(RoundBf16(x)), nan,
+                                         _mm512_castps_si512(x), _mm512_set1_epi32(0x00400000));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
   if (n >= 16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   } else {
     _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), h);
   }
+}
+
+// n float32 values of src stored at dst, as float32 or rounded to bfloat16 (by dst's type).
+template <typename T>
+inline void StoreRow(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) Store16(dst + i, Load16(src + i, n - i), n - i);
 }
 
 #endif  // AVX-512
