@@ -23,7 +23,7 @@
 //   sin/cos tables for every head (it fuses them into each RoPE)
 //   forward  -> o [B, T, N, H] f32
 //   backward (q, k, v, mask, sin, cos, o f32, do D) -> dq [B, T, N, H], dk, dv [B, S, K, H],
-//   all f32 and with respect to the un-rotated q and k
+//   in D (float32 sums rounded once) and with respect to the un-rotated q and k
 // Work is split by (row, kv head) over the calling thread and XLA's intra-op pool.
 
 #include <algorithm>
