@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
-$(NATIVE): ba_jax/native/decode_attention.cc ba_jax/native/matmul_amx.cc ba_jax/native/attention.cc ba_jax/native/attention_amx.cc ba_jax/native/elementwise.cc ba_jax/native/simd.h ba_jax/native/parallel.h ba_jax/native/attention.h ba_jax/native/amx.h $(STAMP)
+$(NATIVE): ba_jax/native/decode_attention.cc ba_jax/native/matmul_amx.cc ba_jax/native/attention.cc ba_jax/native/attention_amx.cc ba_jax/native/elementwise.cc ba_jax/native/simd.h ba_jax/native/parallel.h ba_jax/native/attention.h ba_jax/native/amx.h ba_jax/native/buffers.h $(STAMP)
 	$(PY) -m ba_jax.native build
 
 train: $(STAMP) $(NATIVE)

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 SOURCES = (_HERE / "decode_attention.cc", _HERE / "matmul_amx.cc", _HERE / "attention.cc",
            _HERE / "attention_amx.cc", _HERE / "elementwise.cc")
-HEADERS = (_HERE / "simd.h", _HERE / "parallel.h", _HERE / "attention.h", _HERE / "amx.h")
+HEADERS = (_HERE / "simd.h", _HERE / "parallel.h", _HERE / "attention.h", _HERE / "amx.h",
+           _HERE / "buffers.h")
 LIBRARY = _HERE / "_decode_attention.so"
 _TARGET = "ba_decode_attention"
 _TARGET_SHARED = "ba_decode_attention_shared"

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -384,15 +385,8 @@ void ForEachUnit(ffi::ThreadPool& pool, const Dims& d, F unit) {
   });
 }
 
-// A buffer's data as T (float for f32, uint16_t bits for bf16).
-template <typename T>
-const T* Data(const ffi::AnyBuffer& x) {
-  return static_cast<const T*>(x.untyped_data());
-}
-template <typename T>
-T* Out(ffi::Result<ffi::AnyBuffer>& x) {
-  return static_cast<T*>(x->untyped_data());
-}
+using ba_native::In;
+using ba_native::Out;
 
 ffi::Error Check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                  const ffi::Buffer<ffi::PRED>& mask, Dims& d) {
@@ -441,7 +435,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   float* out = o->typed_data();
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const T *qp = Data<T>(q), *kp = Data<T>(k), *vp = Data<T>(v);
+    const T *qp = In<T>(q), *kp = In<T>(k), *vp = In<T>(v);
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
       ForwardUnit(d, qp, kp, vp, m, rope, out, b, kh, w);
     });
@@ -449,7 +443,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   if (q.element_type() == ffi::F32) {
     run(float{});
   } else if (AmxEnabled()) {
-    const auto *qp = Data<uint16_t>(q), *kp = Data<uint16_t>(k), *vp = Data<uint16_t>(v);
+    const auto *qp = In<uint16_t>(q), *kp = In<uint16_t>(k), *vp = In<uint16_t>(v);
     ba_native::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
       AmxForwardUnit(d, qp, kp, vp, m, rope, out, i / d.K, i % d.K);
     });
@@ -480,7 +474,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   const float* op = o.typed_data();
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const T *qp = Data<T>(q), *kp = Data<T>(k), *vp = Data<T>(v), *gp = Data<T>(dout);
+    const T *qp = In<T>(q), *kp = In<T>(k), *vp = In<T>(v), *gp = In<T>(dout);
     T *dqp = Out<T>(dq), *dkp = Out<T>(dk), *dvp = Out<T>(dv);
     ForEachUnit(pool, d, [=](int64_t b, int64_t kh, Scratch& w) {
       BackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, b, kh, w);
@@ -489,8 +483,8 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   if (q.element_type() == ffi::F32) {
     run(float{});
   } else if (AmxEnabled()) {
-    const auto *qp = Data<uint16_t>(q), *kp = Data<uint16_t>(k), *vp = Data<uint16_t>(v),
-               *gp = Data<uint16_t>(dout);
+    const auto *qp = In<uint16_t>(q), *kp = In<uint16_t>(k), *vp = In<uint16_t>(v),
+               *gp = In<uint16_t>(dout);
     auto *dqp = Out<uint16_t>(dq), *dkp = Out<uint16_t>(dk), *dvp = Out<uint16_t>(dv);
     ba_native::ParallelFor(pool, d.B * d.K, [=](int64_t i) {
       AmxBackwardUnit(d, qp, kp, vp, m, rope, op, gp, dqp, dkp, dvp, i / d.K, i % d.K);

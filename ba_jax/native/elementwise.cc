@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "buffers.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,15 +42,8 @@ constexpr int64_t kRun = 16384;  // elements per work unit
 
 #ifdef BA_AVX512
 
-template <typename T>
-const T* In(ffi::AnyBuffer b) {
-  return reinterpret_cast<const T*>(b.untyped_data());
-}
-
-template <typename T>
-T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  return reinterpret_cast<T*>(b->untyped_data());
-}
+using ba_native::In;
+using ba_native::Out;
 
 inline __m512 Sigmoid16(__m512 g) {
   const __m512 one = _mm512_set1_ps(1.0f);
