@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from ba_jax import aggregation, data, distributed, grpo, sharding
-from ba_jax.models import qwen
+from ba_jax.models import attention, qwen
 from ba_jax.tasks import arithmetic
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -86,6 +86,10 @@ def validate(cfg: Any, num_devices: int) -> None:
            f"config.grpo.kl_kind={g.kl_kind!r}; valid: none, {', '.join(grpo.KL_KINDS)}")
     _check(cfg.model.dtype in DTYPES and cfg.model.param_dtype in DTYPES,
            f"config.model.dtype/param_dtype must be one of {sorted(DTYPES)}")
+    _check(cfg.model.attention in attention.IMPLS,
+           f"config.model.attention={cfg.model.attention!r}; valid: {', '.join(attention.IMPLS)}")
+    _check(cfg.model.remat in qwen.REMAT_POLICIES,
+           f"config.model.remat={cfg.model.remat!r}; valid: {', '.join(qwen.REMAT_POLICIES)}")
     _check(cfg.model.init in ("random", "hf", "checkpoint"),
            f"config.model.init={cfg.model.init!r}; valid: random, hf, checkpoint")
     if cfg.model.init != "random":
@@ -160,20 +164,25 @@ def make_mesh(cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:
     return sharding.make_mesh(mesh_axes(cfg, len(devices)), devices=devices)
 
 
+def runtime_options(cfg: Any) -> dict[str, str]:
+    """The ModelConfig fields a run chooses whatever the weights: attention kernel, remat."""
+    return dict(attention=cfg.model.attention, remat=cfg.model.remat)
+
+
 def model_config(cfg: Any) -> qwen.ModelConfig:
     """ModelConfig from a preset name or the explicit fields of config.model."""
     m = cfg.model
     if m.preset:
         _check(m.preset in qwen.PRESETS,
                f"config.model.preset={m.preset!r}; valid: {', '.join(sorted(qwen.PRESETS))}")
-        return dataclasses.replace(qwen.PRESETS[m.preset], use_remat=m.use_remat)
+        return dataclasses.replace(qwen.PRESETS[m.preset], **runtime_options(cfg))
     return qwen.ModelConfig(
         arch=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
         rms_norm_eps=m.rms_norm_eps, max_position_embeddings=m.max_position_embeddings,
         use_tied_embeddings=m.tie_word_embeddings, use_qkv_bias=m.arch == "qwen2",
-        use_o_bias=False, use_qk_norm=m.arch == "qwen3", use_remat=m.use_remat,
+        use_o_bias=False, use_qk_norm=m.arch == "qwen3", **runtime_options(cfg),
     )
 
 
@@ -237,6 +246,7 @@ def init_policy(cfg: Any, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.St
             raise ConfigError(
                 f"config.model.init_path={cfg.model.init_path!r} (init={cfg.model.init}): "
                 f"{type(e).__name__}: {e}") from e
+        model.config = dataclasses.replace(model.config, **runtime_options(cfg))
         return nnx.split(model)
     mcfg = model_config(cfg)
 

@@ -467,9 +467,6 @@ def main(argv) -> None:
 
     from absl import flags, logging
 
-    from ba_jax import hostmem
-
-    hostmem.apply_env()  # opt-in allocator setting, before JAX starts its threads
 
     from ba_jax import benchmarks_data, build, checkpoint
 

@@ -18,9 +18,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from ba_jax import hostmem
-
-    hostmem.apply_env()  # opt-in allocator setting, before JAX starts its threads
     from ba_jax import build, checkpoint, distributed, train
 
     distributed.maybe_initialize()  # several processes: join them before touching devices

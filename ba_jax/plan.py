@@ -42,7 +42,7 @@ def model_config(cfg: Any):
     if not cfg.model.preset and cfg.model.init == "hf" and os.path.isfile(path):
         with open(path) as f:
             hf = qwen.ModelConfig.from_hf_config(json.load(f))
-        return dataclasses.replace(hf, use_remat=cfg.model.use_remat)
+        return dataclasses.replace(hf, **build.runtime_options(cfg))
     return build.model_config(cfg)
 
 
@@ -178,7 +178,7 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
            for remat in (True, False)}
     samp = sampler_bytes(mc, prompts=P, samples=G, prompt_len=Tp, new_tokens=R,
                          itemsize=itemsize, dp=dp)
-    use_remat = bool(cfg.model.use_remat)
+    use_remat = cfg.model.remat != "none"
     resident = params_dev + opt_dev
     train_peak = resident + params_dev + accum_dev + act[use_remat]["total"]  # + grads
     sample_peak = resident + samp["kv_cache"] + samp["transient"]

@@ -7,21 +7,19 @@ Lives here: the sampling math (greedy, temperature, top-k, top-p, an inverse-CDF
 How one call runs (all inside one jitted function, compiled once per bucket):
   1. Prompts are left-padded to a bucket length Tp (a power of two >= 16, then multiples
      of 512), so only a few shapes compile; `max_new_tokens` (M) is static too.
-  2. Prefill runs on the P prompts only (not P*G): tokens 0..Tp-2 are written into a
-     [P, K, Tp+M, H] cache, then the last prompt token is decoded alone so that only one
-     row of logits per prompt is formed (the unused prefill logits are dead code to XLA).
-  3. The cache and those logits are repeated G times along the batch axis (rows of one
-     prompt contiguous), once, giving the P*G-row decode cache: the prompt is encoded
-     once and its keys/values are shared by the group's samples.
-  4. `lax.while_loop` runs one single-token `decode` per step until every row has emitted
-     an EOS id or M tokens exist. Finished rows keep computing (fixed shapes) but their
-     outputs are replaced by `pad_id` and masked.
+  2. Prefill runs on the P prompts only (not P*G): one forward over the prompts returns
+     their [L, P, Tp, K, H] keys/values and the last position's logits only.
+  3. The G rows of a prompt share its prefill: each decode step attends, in one softmax, to
+     the prompt's keys (read once for its G rows, never copied G times) and to the row's own
+     [L, P*G, M, K, H] slots (`Qwen.decode_step`, `attention.decode_attention`); the first
+     token's logits are the prompt's, repeated G times.
+  4. `lax.while_loop` runs one single-token `decode_step` per step until every row has
+     emitted an EOS id or M tokens exist; the new keys/values of all layers are written into
+     the loop-carried cache with one in-place update. Finished rows keep computing (fixed
+     shapes) but their outputs are replaced by `pad_id` and masked.
 Decode layout with a mesh: rows (P*G) are split over the mesh's `data` and `fsdp` axes;
 parameters keep the sharding they were loaded with (tensor-parallel weights stay split).
 An FSDP-sharded model is all-gathered by XLA each step, so reshard it for decoding first.
-On one CPU device the decode steps' attention and cache writes go through the native
-kernel of `ba_jax.native` when it is built (`use_native_decode`): same results, several
-times faster there than XLA:CPU's batched matrix-vector products and bf16 cache updates.
 
 Log-probs: `Rollout.logprobs` is log_softmax(logits) of the sampled token, the model's own
 distribution at temperature 1 without top-k/top-p, i.e. what the trainer recomputes as
@@ -45,7 +43,6 @@ from flax import nnx, struct
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ba_jax import native
 from ba_jax.models import qwen
 from ba_jax.sharding import BATCH_AXES
 
@@ -186,7 +183,7 @@ class SamplingState:
     sampling_logp_BM: jax.Array  # float32 [B, M]: log-prob under the sampling distribution
     mask_BM: jax.Array  # bool [B, M]: token was generated before the row finished (EOS included)
     done_B: jax.Array  # bool [B]: row has emitted an EOS id
-    cache: Any  # the rows' KV cache: B x (Tp + M) slots, or B x M next to a shared prompt cache
+    cache: Any  # the rows' own KVCache, [L, B, M, K, H]: slot t holds token t
 
 
 def _write(st: SamplingState, token_B, logp_B, slogp_B, eos_E, pad_id) -> SamplingState:
@@ -205,14 +202,6 @@ def _write(st: SamplingState, token_B, logp_B, slogp_B, eos_E, pad_id) -> Sampli
         mask_BM=put(st.mask_BM, live_B),
         done_B=st.done_B | (live_B & is_eos_B),
     )
-
-
-def _cache_batch_axes(config: Any, dtype: Any) -> Any:
-    """Per cache leaf, the axis that grows with the batch (found by shape, not assumed)."""
-    one = jax.eval_shape(lambda: qwen.init_cache(config, 1, 8, dtype))
-    two = jax.eval_shape(lambda: qwen.init_cache(config, 2, 8, dtype))
-    return jax.tree.map(
-        lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n), one, two)
 
 
 def _rows_constraint(x: jax.Array, axis: int, mesh: Mesh | None) -> jax.Array:
@@ -239,38 +228,22 @@ def rollout_arrays(
     eos_E: jax.Array,
     pad_id: jax.Array | int,
     mesh: Mesh | None = None,
-    use_native: bool = False,
 ) -> dict[str, jax.Array]:
     """Traceable body of `generate` on left-padded prompts -> dict of [P*G, M] arrays.
 
     `eos_E` (int32 [E]) and `pad_id` may be traced, so changing them does not recompile.
-    `use_native` runs the decode steps' attention through `ba_jax.native` (CPU, unsharded).
     """
     (P, Tp), G, M = prompt_PT.shape, num_samples, max_new_tokens
     B = P * G
-    axes = _cache_batch_axes(model.config, model.dtype)
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
     positions_PT = jnp.maximum(jnp.cumsum(pmask_PT, 1) - 1, 0)
-    # The native kernel reads each prompt's keys/values once for its G rows, from a cache of
-    # P prompts x Tp slots next to the rows' own B x M; the XLA path gives each row a copy
-    # of its prompt in a B x (Tp + M) cache.
-    prompt_slots = Tp if use_native else Tp + M
-    slots_PS = jnp.concatenate([pmask_PT, jnp.zeros((P, prompt_slots - Tp), jnp.int32)], 1)
-    cache = qwen.init_cache(model.config, P, prompt_slots, model.dtype)
-    cache = jax.tree.map(lambda c, a: _rows_constraint(c, a, mesh), cache, axes)
-    # Prefill the P prompts once; the last prompt token alone gives the logits we need.
-    _, cache = model.decode(prompt_PT[:, :-1], positions_PT[:, :-1], cache, 0, slots_PS)
-    logits_P1V, cache = model.decode(prompt_PT[:, -1:], positions_PT[:, -1:], cache, Tp - 1,
-                                     slots_PS)
-    if use_native:
-        decode_kw = dict(use_native=True, prompt=(cache, pmask_PT))
-        cache, first_slot = qwen.init_cache(model.config, B, M, model.dtype), 0
-    else:  # share each prompt's cache with its G samples: one repeat along the batch axis
-        cache = jax.tree.map(lambda c, a: _rows_constraint(jnp.repeat(c, G, axis=a), a, mesh),
-                             cache, axes)
-        decode_kw, first_slot = {}, Tp  # other models need not know the native arguments
-    pmask_BT = jnp.repeat(pmask_PT, G, axis=0)
-    len_B = jnp.sum(pmask_BT, 1)
+    # Prefill the P prompts once; only the last position's logits are formed.
+    logits_P1V, prompt_cache = model(prompt_PT, positions_PT, pmask_PT,
+                                     logits_slice=slice(Tp - 1, None), return_kv=True)
+    prompt_cache = jax.tree.map(lambda c: _rows_constraint(c, 1, mesh), prompt_cache)
+    cache = jax.tree.map(lambda c: _rows_constraint(c, 1, mesh),
+                         qwen.init_cache(model.config, B, M, model.dtype))
+    len_B = jnp.repeat(jnp.sum(pmask_PT, 1), G)
     logits_BV = _rows_constraint(jnp.repeat(logits_P1V[:, 0], G, axis=0), 0, mesh)
     rows = lambda x: _rows_constraint(x, 0, mesh)  # noqa: E731
     st = SamplingState(
@@ -288,14 +261,15 @@ def rollout_arrays(
         return (st.step < M) & ~jnp.all(st.done_B)
 
     def body(st: SamplingState) -> SamplingState:
-        t = st.step  # decode token t-1 (slot first_slot+t-1), then sample token t
-        token_B1 = lax.dynamic_slice_in_dim(st.tokens_BM, t - 1, 1, axis=1)
-        gen_BM = jnp.broadcast_to(jnp.arange(M)[None] < t, (B, M)).astype(jnp.int32)
-        slots_BS = gen_BM if use_native else jnp.concatenate([pmask_BT, gen_BM], 1)
-        logits_B1V, cache = model.decode(token_B1, (len_B + t - 1)[:, None], st.cache,
-                                         first_slot + t - 1, slots_BS, **decode_kw)
-        sample = sample_logits(logits_B1V[:, 0], jax.random.fold_in(key, t), config)
-        return _write(st.replace(cache=cache), *sample, eos_E, pad_id)
+        t = st.step  # decode token t-1 (its own slot t-1), then sample token t
+        token_B = lax.dynamic_index_in_dim(st.tokens_BM, t - 1, axis=1, keepdims=False)
+        # slots 0..t-2 hold the earlier tokens; token t-1 attends to itself inside the step
+        filled_BM = jnp.broadcast_to(jnp.arange(M)[None] < t - 1, (B, M))
+        logits_BV, k_LBKH, v_LBKH = model.decode_step(
+            token_B, len_B + t - 1, st.cache, filled_BM, prefix=(prompt_cache, pmask_PT))
+        sample = sample_logits(logits_BV, jax.random.fold_in(key, t), config)
+        return _write(st.replace(cache=st.cache.write(k_LBKH, v_LBKH, t - 1)), *sample, eos_E,
+                      pad_id)
 
     st = lax.while_loop(cond, body, st)
     return dict(tokens=st.tokens_BM, logprobs=st.logp_BM, sampling_logprobs=st.sampling_logp_BM,
@@ -341,28 +315,19 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int, pad_id: int):
 _JITTED: dict[tuple, Callable] = {}
 
 
-def use_native_decode(model: Any, mesh: Mesh | None) -> bool:
-    """Whether decode steps use the native CPU attention kernel: a `Qwen` model, the kernel
-    built and on the CPU backend, and rows not split over devices (XLA cannot partition it)."""
-    return (isinstance(model, qwen.Qwen) and (mesh is None or mesh.size == 1)
-            and native.decode_attention_available())
-
-
-def _jitted(graphdef, P, Tp, G, M, config, mesh, use_native) -> Callable:
+def _jitted(graphdef, P, Tp, G, M, config, mesh) -> Callable:
     """One jitted rollout per (model structure, bucket, settings), built once and reused."""
-    k = (graphdef, P, Tp, G, M, config, mesh, use_native)
+    k = (graphdef, P, Tp, G, M, config, mesh)
     if k not in _JITTED:
         def run(state, prompt_PT, prompt_mask_PT, key, eos_E, pad_id):
             TRACE_COUNTS[(P, Tp, G, M)] += 1  # runs at trace time only
             model = nnx.merge(graphdef, state)
-            # bf16 weights packed once per call for the AMX kernel (a no-op otherwise);
-            # the native path runs unsharded
-            packing = (qwen.packed_weights(model, unsharded=True) if use_native
-                       else contextlib.nullcontext())
-            with packing:
+            # the mesh in context at trace time, for the kernel seam's shard_map
+            with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
+                  else contextlib.nullcontext()):
                 return rollout_arrays(model, prompt_PT, prompt_mask_PT, key, num_samples=G,
                                       max_new_tokens=M, config=config, eos_E=eos_E,
-                                      pad_id=pad_id, mesh=mesh, use_native=use_native)
+                                      pad_id=pad_id, mesh=mesh)
 
         _JITTED[k] = jax.jit(run)
     return _JITTED[k]
@@ -398,7 +363,7 @@ def generate(
     Tp = prompt_bucket(max(len(p) for p in prompts))
     prompt_PT, pmask_PT = left_pad(prompts, Tp, pad)
     graphdef, state = nnx.split(model)
-    run = _jitted(graphdef, P, Tp, G, M, config, mesh, use_native_decode(model, mesh))
+    run = _jitted(graphdef, P, Tp, G, M, config, mesh)
     out = run(state, prompt_PT, pmask_PT, key, np.asarray(eos, np.int32), np.int32(pad))
     out = jax.device_get(out)
     mask_BM = np.asarray(out["mask"], np.int32)

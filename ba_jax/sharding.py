@@ -6,7 +6,8 @@ from parameter path to logical axes (`PARAM_AXES`), the logical -> mesh rules
 trainer or sampler jits with these shardings.
 
 A parameter path is its nnx state path joined with dots, e.g.
-`layers.3.self_attn.q_proj.kernel`. Every Qwen parameter matches exactly one `PARAM_AXES`
+`layers.self_attn.q_proj.kernel` (decoder layers are stacked on a
+leading `layers` axis). Every Qwen parameter matches exactly one `PARAM_AXES`
 pattern (tests check both architectures). A mesh axis that does not divide a dimension is
 dropped for that dimension (e.g. 2 kv heads on tensor=4 stay replicated), so every preset
 fits every mesh.
@@ -29,22 +30,23 @@ BATCH_AXES = ("data", "fsdp")  # batch rows are split over both; fsdp also split
 # Ordered table: parameter path (full match) -> one logical axis name per dimension.
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"embed_tokens\.embedding", ("vocab", "embed")),
-    (r"layers\.\d+\.self_attn\.q_proj\.kernel", ("embed", "heads", "head_dim")),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.kernel", ("embed", "kv_heads", "head_dim")),
-    (r"layers\.\d+\.self_attn\.q_proj\.bias", ("heads", "head_dim")),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", ("kv_heads", "head_dim")),
-    (r"layers\.\d+\.self_attn\.o_proj\.kernel", ("heads", "head_dim", "embed")),
-    (r"layers\.\d+\.self_attn\.o_proj\.bias", ("norm",)),
-    (r"layers\.\d+\.self_attn\.[qk]_norm\.scale", ("norm",)),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.kernel", ("embed", "mlp")),
-    (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", "embed")),
-    (r"layers\.\d+\.(input|post_attention)_layernorm\.scale", ("norm",)),
+    (r"layers\.self_attn\.q_proj\.kernel", ("layers", "embed", "heads", "head_dim")),
+    (r"layers\.self_attn\.[kv]_proj\.kernel", ("layers", "embed", "kv_heads", "head_dim")),
+    (r"layers\.self_attn\.q_proj\.bias", ("layers", "heads", "head_dim")),
+    (r"layers\.self_attn\.[kv]_proj\.bias", ("layers", "kv_heads", "head_dim")),
+    (r"layers\.self_attn\.o_proj\.kernel", ("layers", "heads", "head_dim", "embed")),
+    (r"layers\.self_attn\.o_proj\.bias", ("layers", "norm")),
+    (r"layers\.self_attn\.[qk]_norm\.scale", ("layers", "norm")),
+    (r"layers\.mlp\.(gate|up)_proj\.kernel", ("layers", "embed", "mlp")),
+    (r"layers\.mlp\.down_proj\.kernel", ("layers", "mlp", "embed")),
+    (r"layers\.(input|post_attention)_layernorm\.scale", ("layers", "norm")),
     (r"norm\.scale", ("norm",)),
     (r"lm_head\.kernel", ("embed", "vocab")),
 )
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "layers": None,  # the stacked decoder layers' axis: scanned over, never split by default
     "vocab": "tensor",
     "embed": "fsdp",
     "mlp": "tensor",

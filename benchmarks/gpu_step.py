@@ -16,6 +16,12 @@ The plan's estimate of the train step's peak memory (ba_jax.plan) is printed nex
 the measured peak.
 
     python benchmarks/gpu_step.py [--steps 3] [--no-remat] [--peak_tflops 989]
+        [--attention auto|xla|chunked|cudnn] [--no-seam_check]
+
+Before the step, `--seam_check` (on by default) runs the kernel seam on the device: every
+implementation the device offers (cudnn on a GPU, chunked everywhere) against the xla reference,
+values and gradients, bf16, GQA, a left-padded row, T = 1,024; it prints the largest
+differences relative to the reference's scale (bf16 resolution is ~4e-3).
 
 Without an NVIDIA GPU it prints a message and exits 0. `--force_cpu --preset=""` runs the
 code path on CPU with the tiny default model (for checking the script, not for numbers).
@@ -71,7 +77,8 @@ def make_config(args):
     cfg = mod.get_config()
     cfg.model.preset = args.preset
     cfg.model.dtype, cfg.model.param_dtype = "bfloat16", "float32"
-    cfg.model.use_remat = args.remat
+    cfg.model.remat = "full" if args.remat else "none"
+    cfg.model.attention = args.attention
     cfg.rollout.prompts_per_step, cfg.rollout.num_samples = args.prompts, args.samples
     cfg.rollout.max_new_tokens = args.response_len
     cfg.data.max_prompt_tokens = args.prompt_len
@@ -142,11 +149,51 @@ def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]
     return time.perf_counter() - t0, int(ro.lengths.sum())
 
 
+def check_seam(devices) -> None:
+    """Each attention implementation of this device against `xla`: values and gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from ba_jax.models import attention
+
+    B, T, N, K, H = 2, 1024, 16, 8, 128
+    ks = jax.random.split(jax.random.key(0), 4)
+    dev = devices[0]
+    q, do = (jax.device_put(jax.random.normal(r, (B, T, N, H), jnp.bfloat16), dev)
+             for r in (ks[0], ks[3]))
+    k, v = (jax.device_put(jax.random.normal(r, (B, T, K, H), jnp.bfloat16), dev)
+            for r in ks[1:3])
+    valid = jax.device_put(jnp.arange(T)[None] >= jnp.array([[0], [300]]), dev)
+
+    def run(impl):
+        def f(q, k, v):
+            o = attention.attention(q, k, v, valid, impl=impl)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+        (_, o), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [np.asarray(x, np.float32) for x in (o, *g)]
+
+    ref = run("xla")
+    impls = ["chunked"] + (["cudnn"] if dev.platform == "gpu" else [])
+    for impl in impls:
+        try:
+            got = run(impl)
+        except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
+            print(f"seam {impl}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            continue
+        errs = [float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                for a, b in zip(got, ref)]
+        print(f"seam {impl} vs xla (bf16, T={T}, GQA {N}/{K}, left pad): max |diff| / max |ref| "
+              f"out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, dv {errs[3]:.1e}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="Qwen3-1.7B", help='ModelConfig preset ("": tiny default)')
     p.add_argument("--steps", type=int, default=3, help="timed train steps (after one compile)")
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention", default="auto", help="model.attention for the train step")
+    p.add_argument("--seam_check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--prompt_len", type=int, default=512)
@@ -179,7 +226,9 @@ def main(argv=None) -> None:
     L, N, H = mc.num_layers, mc.num_heads, mc.head_dim
     print(f"jax {jax.__version__}; {len(devices)} x {kind}; peak {peak:g} bf16 TFLOP/s per device"
           f"{' (--peak_tflops)' if args.peak_tflops else ''}; model {n_params:,} parameters, "
-          f"remat {'on' if args.remat else 'off'}")
+          f"remat {'on' if args.remat else 'off'}, attention {args.attention}")
+    if args.seam_check:
+        check_seam(devices)
 
     T = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
     rows = cfg.rollout.prompts_per_step * cfg.rollout.num_samples

@@ -15,8 +15,8 @@ median of the per-round ratios (each of our steps against the peer's step right 
 which a burst of load on this shared machine moves less when it hits a few steps of one side.
 
     python benchmarks/model.py [--steps 10] [--precisions f32,bf16]
-    python benchmarks/model.py --cache-write    # KV-cache slot write, plain vs qwen._cache_write
-    python benchmarks/model.py --attention      # bf16 attention kernel, AVX-512 loops vs AMX
+
+ba_jax runs plain XLA here (no CPU-specific kernels): the figure is what a CPU user gets.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from flax import nnx  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from ba_jax import grpo, hostmem  # noqa: E402
+from ba_jax import grpo  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
 B, T, V = 8, 256, 8192
@@ -87,66 +87,6 @@ def matmul_peak() -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         out[name] = 2 * n**3 / min(times) / 1e9
     return out
-
-
-def cache_write() -> None:
-    """ms per one-slot write into a donated [128, 4, 1024, 64] cache: plain vs `_cache_write`."""
-    from jax import lax
-
-    from ba_jax.models.qwen import _cache_write
-
-    def plain(c, u, i):
-        return lax.dynamic_update_slice(c, u.astype(c.dtype), (0, 0, i, 0))
-
-    print("| cache dtype | plain dynamic_update_slice ms | qwen._cache_write ms |")
-    print("|---|---:|---:|")
-    for dt in [jnp.float32, jnp.bfloat16]:
-        row = []
-        for fn in (plain, lambda c, u, i: _cache_write(c, u, i, axis=2)):
-            f = jax.jit(fn, donate_argnums=(0,))
-            c, u = jnp.zeros((128, 4, 1024, 64), dt), jnp.ones((128, 4, 1, 64), jnp.float32)
-            c = f(c, u, 0).block_until_ready()
-            t0 = time.perf_counter()
-            for i in range(20):
-                c = f(c, u, i)
-            c.block_until_ready()
-            row.append((time.perf_counter() - t0) / 20 * 1e3)
-        print(f"| {jnp.dtype(dt).name} | {row[0]:.2f} | {row[1]:.2f} |")
-
-
-def attention_paths(rounds: int = 20) -> None:
-    """The bf16 training attention kernel (native.attention / attention_grad) at the
-    benchmark's shapes, causal mask, on its AVX-512 loops and on AMX tiles, alternating in
-    this process; per-call medians in ms (one call covers all 8 rows and heads of a layer)."""
-    from ba_jax import native
-    from ba_jax.models import qwen
-    if not native.attention_amx_available():
-        raise SystemExit("the AMX attention path needs the native library and AMX-BF16")
-    N, K, H = HF_KW["num_attention_heads"], HF_KW["num_key_value_heads"], HF_KW["head_dim"]
-    ks = jax.random.split(jax.random.key(0), 4)
-    q, do = (jax.random.normal(r, (B, T, N, H), jnp.bfloat16) for r in (ks[0], ks[3]))
-    k, v = (jax.random.normal(r, (B, T, K, H), jnp.bfloat16) for r in (ks[1], ks[2]))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    sin, cos = qwen._rope_tables(jnp.broadcast_to(jnp.arange(T), (B, T)), H, 1e6)
-    fwd, bwd = jax.jit(native.attention), jax.jit(native.attention_grad)
-    o = fwd(q, k, v, mask, sin, cos)
-    calls = {"forward": lambda: fwd(q, k, v, mask, sin, cos),
-             "backward": lambda: bwd(q, k, v, mask, sin, cos, o, do)[0]}
-    times = {(path, c): [] for path in ("avx512", "amx") for c in calls}
-    for r in range(rounds + 1):
-        for path in ("avx512", "amx") if r % 2 else ("amx", "avx512"):
-            native.use_amx_attention(path == "amx")
-            for c, f in calls.items():
-                t0 = time.perf_counter()
-                f().block_until_ready()
-                if r:  # round 0 compiles and warms up
-                    times[path, c].append((time.perf_counter() - t0) * 1e3)
-    native.use_amx_attention(True)
-    print("| call | AVX-512 loops ms | AMX ms | ratio |")
-    print("|---|---:|---:|---:|")
-    for c in calls:
-        a, m = (statistics.median(times[p, c]) for p in ("avx512", "amx"))
-        print(f"| {c} | {a:.2f} | {m:.2f} | {a / m:.2f}x |")
 
 
 def ours_setup(hf_dir: str, precision: str):
@@ -198,24 +138,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precisions", default="f32,bf16")
-    parser.add_argument("--cache-write", action="store_true", help="only the KV-cache write")
-    parser.add_argument("--attention", action="store_true",
-                        help="only the bf16 attention kernel: AVX-512 loops vs AMX tiles")
-    parser.add_argument("--keep-freed", action="store_true",
-                        help="ba_jax: keep freed memory (BA_JAX_KEEP_FREED_MEMORY=1)")
-    parser.add_argument("--peer-keep-freed", action="store_true",
-                        help="the peer too: the same glibc setting in its process")
     parser.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.cache_write:
-        return cache_write()
-    if args.attention:
-        return attention_paths()
-    if (args.worker == "ours" and args.keep_freed) or (args.worker == "peer" and
-                                                       args.peer_keep_freed):
-        hostmem.keep_freed_memory()  # as BA_JAX_KEEP_FREED_MEMORY=1 does (ba_jax/hostmem.py)
     if args.worker == "ours":
         return _workers.serve(lambda: ours_setup(args.model_dir, args.precision))
     if args.worker == "peer":
@@ -226,16 +152,14 @@ def main() -> None:
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"params {n_params / 1e6:.2f}M; each side in its own process, alternating; "
           f"load average {os.getloadavg()}")
-    ours_flags = ["--keep-freed"] if args.keep_freed else []
-    peer_flags = ["--peer-keep-freed"] if args.peer_keep_freed else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)  # both sides start from these weights
         for prec in args.precisions.split(","):
             common = ["--precision", prec, "--model-dir", tmp]
             t_ours, t_peer, ours_info, peer_info = _workers.alternate(
-                [__file__, "--worker", "ours", *common, *ours_flags],
-                [__file__, "--worker", "peer", *common, *peer_flags],
+                [__file__, "--worker", "ours", *common],
+                [__file__, "--worker", "peer", *common],
                 args.steps)
             tj, tp = B * T / statistics.median(t_ours), B * T / statistics.median(t_peer)
             per_round = statistics.median(p / o for o, p in zip(t_ours, t_peer))

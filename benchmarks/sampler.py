@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from ba_jax import hostmem, sampler  # noqa: E402
+from ba_jax import sampler  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
 P, G, TP, M = 16, 8, 32, 128
@@ -68,8 +68,7 @@ def ours_setup(model_dir: str, precision: str):
 
     first = run_once()
     steady = run_once()
-    return run_once, dict(compile_s=first - steady,
-                          native_attention=sampler.use_native_decode(model, None))
+    return run_once, dict(compile_s=first - steady)
 
 
 def peer_setup(model_dir: str, precision: str, threads: int):
@@ -99,17 +98,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--precisions", default="f32,bf16")
     ap.add_argument("--peer-threads", type=int, default=2)
-    ap.add_argument("--keep-freed", action="store_true",
-                    help="ba_jax: keep freed memory (BA_JAX_KEEP_FREED_MEMORY=1)")
-    ap.add_argument("--peer-keep-freed", action="store_true",
-                    help="the peer too: the same glibc setting in its process")
     ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
     ap.add_argument("--precision", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if (args.worker == "ours" and args.keep_freed) or (args.worker == "peer" and
-                                                       args.peer_keep_freed):
-        hostmem.keep_freed_memory()  # as BA_JAX_KEEP_FREED_MEMORY=1 does (ba_jax/hostmem.py)
     if args.worker == "ours":
         return _workers.serve(lambda: ours_setup(args.model_dir, args.precision))
     if args.worker == "peer":
@@ -119,8 +111,6 @@ def main() -> None:
     print(f"jax {jax.__version__}, torch {torch.__version__} ({args.peer_threads} threads), "
           f"{tokens} generated tokens per call; each side in its own process, alternating; "
           f"load average {os.getloadavg()}")
-    ours_flags = ["--keep-freed"] if args.keep_freed else []
-    peer_flags = ["--peer-keep-freed"] if args.peer_keep_freed else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         reference_model(tmp)
@@ -128,16 +118,16 @@ def main() -> None:
             common = ["--precision", prec, "--model-dir", tmp,
                       "--peer-threads", str(args.peer_threads)]
             t_ours, t_peer, ours_info, peer_info = _workers.alternate(
-                [__file__, "--worker", "ours", *common, *ours_flags],
-                [__file__, "--worker", "peer", *common, *peer_flags],
+                [__file__, "--worker", "ours", *common],
+                [__file__, "--worker", "peer", *common],
                 args.runs)
             ours_s, peer_s = statistics.median(t_ours), statistics.median(t_peer)
             rows.append((prec, tokens / ours_s, tokens / peer_s, peer_s / ours_s,
                          ours_info["compile_s"]))
             print(f"{prec}: ba_jax {tokens / ours_s:,.0f} tokens/s, transformers "
                   f"{tokens / peer_s:,.0f} tokens/s, ratio {peer_s / ours_s:.2f}x; "
-                  f"compile {ours_info['compile_s']:.1f} s; native attention "
-                  f"{ours_info['native_attention']}; runs ours {[round(t, 2) for t in t_ours]} "
+                  f"compile {ours_info['compile_s']:.1f} s; "
+                  f"runs ours {[round(t, 2) for t in t_ours]} "
                   f"peer {[round(t, 2) for t in t_peer]}; load average {os.getloadavg()}")
     print("\n| precision | ba_jax tokens/s | transformers tokens/s | ratio | compile |")
     print("|---|---:|---:|---:|---:|")

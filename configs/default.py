@@ -45,7 +45,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             max_position_embeddings=256,
             dtype="float32",
             param_dtype="float32",
-            use_remat=False,
+            # Kernel seam (ba_jax.models.attention): auto | xla | chunked | cudnn | splash.
+            # auto: splash on TPU, cudnn on GPU (bf16), chunked on CPU for long rows, else xla.
+            attention="auto",
+            # Per-layer rematerialisation in the backward (ba_jax.models.qwen.REMAT_POLICIES):
+            # none | full | dots_saveable | dots_with_no_batch_dims_saveable.
+            remat="none",
         )
     )
     c.tokenizer_path = ""  # empty: the embedded task builds WORKDIR/tokenizer

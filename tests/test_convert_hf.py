@@ -91,8 +91,8 @@ def test_load_hf_on_mesh_equals_unsharded(hf_dirs, tokens_BT):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     path = hf_dirs["qwen3_untied"]
     sharded = convert_hf.load_hf(path, mesh=mesh)
-    q = sharded.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+    q = sharded.layers.self_attn.q_proj.kernel[...]  # [L, D, N, H], layers never split
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     assert len(q.sharding.device_set) == 8
     logits = jax.jit(lambda m, t: m(t))(sharded, jnp.asarray(tokens_BT))
     np.testing.assert_allclose(logits, convert_hf.load_hf(path)(jnp.asarray(tokens_BT)),

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from scipy import stats
 
-from ba_jax import sampler
+from ba_jax import sampler, train
 from ba_jax.models import convert_hf, qwen
 from ba_jax.sharding import make_mesh
 from helpers_hf import make_tiny_hf
@@ -83,7 +83,13 @@ def test_logprobs_equal_full_forward_recomputation(tiny):
     ro = sampler.generate(model, PROMPTS[:2], key=jax.random.key(3), **SAMPLE_KW)
     m = ro.mask.astype(bool)
     assert m.sum() > 20
-    # What the trainer does: one full forward over [prompt | response], log_softmax, gather.
+    # The trainer's own function: old_logp as the update recomputes it.
+    graphdef, params = nnx.split(model)
+    batch = dict(prompt_tokens_BT=ro.prompt_tokens, prompt_mask_BT=ro.prompt_mask,
+                 tokens_BR=ro.tokens)
+    old_logp_BR, _ = jax.jit(train.policy_logprobs, static_argnums=0)(graphdef, params, batch)
+    np.testing.assert_allclose(ro.logprobs[m], np.asarray(old_logp_BR)[m], atol=1e-5, rtol=0)
+    # and under the sampling temperature, from the full forward's logits
     logits_BTV = _forward(model, np.concatenate([ro.prompt_tokens, ro.tokens], 1),
                           np.concatenate([ro.prompt_mask, ro.mask], 1))
     logits_BMV = logits_BTV[:, ro.prompt_tokens.shape[1] - 1:-1]
@@ -175,7 +181,7 @@ def test_prompt_buckets():
 
 # ----------------------------------------------------------------------------- the loop
 
-DECODE_SHAPES: list[tuple[int, int]] = []  # (rows, tokens) of every decode call, at trace time
+CALLS: list[tuple] = []  # (kind, shapes) of every model call, at trace time
 
 
 class Bigram(nnx.Module):
@@ -191,9 +197,20 @@ class Bigram(nnx.Module):
             use_o_bias=False, use_qk_norm=False)
         self.dtype = jnp.float32
 
-    def decode(self, tokens_BT, positions_BT, cache, cache_index, attn_mask_BS):
-        DECODE_SHAPES.append(tokens_BT.shape)
-        return self.table[...][tokens_BT], cache
+    def __call__(self, tokens_BT, positions_BT=None, attn_mask_BT=None, *, logits_slice=None,
+                 return_kv=False):
+        CALLS.append(("forward", tokens_BT.shape))
+        logits_BTV = self.table[...][tokens_BT]
+        if logits_slice is not None:
+            logits_BTV = logits_BTV[:, logits_slice]
+        cache = qwen.init_cache(self.config, *tokens_BT.shape)
+        return (logits_BTV, cache) if return_kv else logits_BTV
+
+    def decode_step(self, tokens_B, positions_B, cache, valid_BS, prefix=None):
+        CALLS.append(("decode", tokens_B.shape, cache.k_LBSKH.shape[1],
+                      None if prefix is None else prefix[0].k_LBSKH.shape[1]))
+        new_LBKH = jnp.zeros(cache.k_LBSKH.shape[:2] + cache.k_LBSKH.shape[3:])
+        return self.table[...][tokens_B], new_LBKH, new_LBKH
 
 
 def _chain_model(V: int = 10) -> Bigram:
@@ -221,15 +238,16 @@ def test_eos_stops_row_and_masks_after_it():
 
 def test_group_shares_one_prefill():
     model = _chain_model()
-    DECODE_SHAPES.clear()
+    CALLS.clear()
     P, G = 3, 4
     ro = sampler.generate(model, [[1], [5, 6], [8, 9, 8]], num_samples=G, max_new_tokens=5,
                           key=jax.random.key(1), temperature=1.0, eos_ids=[4], pad_id=0)
     assert ro.tokens.shape == (P * G, 5)
-    multi = [s for s in DECODE_SHAPES if s[1] > 1]
-    assert multi == [(P, 15)], DECODE_SHAPES  # one prefill, of the P prompts only
-    assert (P, 1) in DECODE_SHAPES and (P * G, 1) in DECODE_SHAPES
-    assert all(s[0] in (P, P * G) for s in DECODE_SHAPES)
+    # one prefill, of the P prompts only (bucket 16); every decode step runs the P*G rows
+    # against their own slots and a prefix cache of P rows (never repeated G times)
+    assert [c for c in CALLS if c[0] == "forward"] == [("forward", (P, 16))], CALLS
+    decodes = [c for c in CALLS if c[0] == "decode"]
+    assert decodes and all(c == ("decode", (P * G,), P * G, P) for c in decodes), CALLS
 
 
 def test_same_key_same_output_and_no_retrace(tiny3):

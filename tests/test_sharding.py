@@ -46,7 +46,7 @@ def test_every_parameter_matches_exactly_one_rule(name):
 
 def test_logical_axes_rejects_unknown_path():
     with pytest.raises(ValueError, match="matches 0 PARAM_AXES rules"):
-        sharding.logical_axes("layers.0.self_attn.rotary.kernel")
+        sharding.logical_axes("layers.self_attn.rotary.kernel")
 
 
 def test_make_mesh_shapes():
@@ -66,13 +66,14 @@ def test_param_specs_and_indivisible_dims_stay_replicated():
     # Qwen2.5-0.5B: 14 query heads and 2 kv heads do not divide by tensor=4
     specs = _flat(sharding.param_shardings(_abstract_params(qwen.PRESETS["Qwen2.5-0.5B"]), mesh))
     assert specs["embed_tokens.embedding"].spec == P("tensor", "fsdp")
-    assert specs["layers.0.self_attn.q_proj.kernel"].spec == P("fsdp", None, None)
-    assert specs["layers.0.self_attn.k_proj.bias"].spec == P(None, None)
-    assert specs["layers.0.mlp.gate_proj.kernel"].spec == P("fsdp", "tensor")
-    assert specs["layers.0.mlp.down_proj.kernel"].spec == P("tensor", "fsdp")
+    # the leading layers axis is never split
+    assert specs["layers.self_attn.q_proj.kernel"].spec == P(None, "fsdp", None, None)
+    assert specs["layers.self_attn.k_proj.bias"].spec == P(None, None, None)
+    assert specs["layers.mlp.gate_proj.kernel"].spec == P(None, "fsdp", "tensor")
+    assert specs["layers.mlp.down_proj.kernel"].spec == P(None, "tensor", "fsdp")
     assert specs["norm.scale"].spec == P(None)
     specs = _flat(sharding.param_shardings(_abstract_params(qwen.PRESETS["Qwen3-8B"]), mesh))
-    assert specs["layers.3.self_attn.o_proj.kernel"].spec == P("tensor", None, "fsdp")
+    assert specs["layers.self_attn.o_proj.kernel"].spec == P(None, "tensor", None, "fsdp")
     assert specs["lm_head.kernel"].spec == P("fsdp", "tensor")
     # custom rules: embed over both fsdp and data, vocab replicated
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -89,8 +90,8 @@ def test_sharded_params_give_the_unsharded_forward():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.device_put(state, sharding.param_shardings(state, mesh)))
-    q = model.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == P("fsdp", "tensor", None)
+    q = model.layers.self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == P(None, "fsdp", "tensor", None)
     tokens_BT = sharding.shard_batch(tokens_BT, mesh)
     assert tokens_BT.sharding.spec == P(("data", "fsdp"), None)
     assert len(tokens_BT.addressable_shards) == 8

@@ -11,7 +11,10 @@ Not here: the model itself (`qwen.py`) or the sharding rules (`sharding.py`).
 
 Layouts: HF `nn.Linear` weights are [out, in]; ba_jax kernels are [*in, *out] with heads split
 out (q_proj [D, N, H], o_proj [N, H, D]), so every linear is a transpose then a reshape, and
-everything else (embeddings, norms, biases) a reshape.
+everything else (embeddings, norms, biases) a reshape. Decoder-layer parameters are stacked on
+a leading layers axis (q_proj [L, D, N, H]); HF keeps one tensor per layer
+(`model.layers.{i}.…`), so loading stacks the L tensors of one parameter and exporting
+unstacks them, both through the one table.
 """
 
 from __future__ import annotations
@@ -36,19 +39,21 @@ from ba_jax import sharding as sharding_lib
 from ba_jax.models.qwen import ModelConfig, Qwen
 
 # ba_jax path (full match) -> (HF key template, kind). kind "linear": HF [out, in] <-> ours
-# [*in, *out]; "copy": same elements, reshaped. Templates use the path's regex groups.
+# [*in, *out]; "copy": same elements, reshaped. Templates use the path's regex groups; a
+# template with "{layer}" names a parameter stacked over the decoder layers (leading axis L of
+# ours), stored by HF as one tensor per layer.
 KEY_TABLE: tuple[tuple[str, str, str], ...] = (
     (r"embed_tokens\.embedding", "model.embed_tokens.weight", "copy"),
-    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.kernel",
-     "model.layers.{0}.self_attn.{1}_proj.weight", "linear"),
-    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias", "model.layers.{0}.self_attn.{1}_proj.bias",
+    (r"layers\.self_attn\.([qkvo])_proj\.kernel",
+     "model.layers.{layer}.self_attn.{0}_proj.weight", "linear"),
+    (r"layers\.self_attn\.([qkvo])_proj\.bias", "model.layers.{layer}.self_attn.{0}_proj.bias",
      "copy"),
-    (r"layers\.(\d+)\.self_attn\.([qk])_norm\.scale", "model.layers.{0}.self_attn.{1}_norm.weight",
+    (r"layers\.self_attn\.([qk])_norm\.scale", "model.layers.{layer}.self_attn.{0}_norm.weight",
      "copy"),
-    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.kernel", "model.layers.{0}.mlp.{1}_proj.weight",
+    (r"layers\.mlp\.(gate|up|down)_proj\.kernel", "model.layers.{layer}.mlp.{0}_proj.weight",
      "linear"),
-    (r"layers\.(\d+)\.(input|post_attention)_layernorm\.scale",
-     "model.layers.{0}.{1}_layernorm.weight", "copy"),
+    (r"layers\.(input|post_attention)_layernorm\.scale",
+     "model.layers.{layer}.{0}_layernorm.weight", "copy"),
     (r"norm\.scale", "model.norm.weight", "copy"),
     (r"lm_head\.kernel", "lm_head.weight", "linear"),
 )
@@ -58,13 +63,34 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "me
                     "special_tokens_map.json", "added_tokens.json", "generation_config.json")
 
 
-def hf_key(path: str) -> tuple[str, str]:
-    """(HF key, kind) of the ba_jax parameter at dotted `path`."""
+def _rule(path: str) -> tuple[str, str]:
     for pattern, template, kind in KEY_TABLE:
         m = re.fullmatch(pattern, path)
         if m:
-            return template.format(*m.groups()), kind
+            return template.format(*m.groups(), layer="{layer}"), kind
     raise KeyError(f"no HF key for ba_jax parameter {path!r}")
+
+
+def is_stacked(path: str) -> bool:
+    """Whether the ba_jax parameter at `path` has a leading layers axis (one HF key per layer)."""
+    return "{layer}" in _rule(path)[0]
+
+
+def hf_key(path: str, layer: int | None = None) -> tuple[str, str]:
+    """(HF key, kind) of the ba_jax parameter at dotted `path` (of `layer` if it is stacked)."""
+    template, kind = _rule(path)
+    if "{layer}" in template:
+        if layer is None:
+            raise ValueError(f"{path!r} is stacked over layers: name the layer")
+        return template.format(layer=layer), kind
+    return template, kind
+
+
+def hf_keys(path: str, num_layers: int) -> list[str]:
+    """Every HF key the ba_jax parameter at `path` holds, in layer order."""
+    if is_stacked(path):
+        return [hf_key(path, i)[0] for i in range(num_layers)]
+    return [hf_key(path)[0]]
 
 
 def _n_in(path: str) -> int:
@@ -73,8 +99,9 @@ def _n_in(path: str) -> int:
 
 
 def hf_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape HF stores for the ba_jax parameter `path` of `shape`."""
-    if hf_key(path)[1] == "linear":
+    """Shape HF stores for one tensor of the ba_jax parameter `path` (`shape` without the
+    layers axis)."""
+    if _rule(path)[1] == "linear":
         n = _n_in(path)
         return (math.prod(shape[n:]), math.prod(shape[:n]))
     if path.startswith("embed_tokens."):
@@ -83,16 +110,16 @@ def hf_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def from_hf(path: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """HF tensor -> ba_jax layout of `shape`."""
-    if hf_key(path)[1] == "linear":
+    """One HF tensor -> ba_jax layout of `shape` (one layer's shape for a stacked parameter)."""
+    if _rule(path)[1] == "linear":
         array = array.T
     return np.ascontiguousarray(array).reshape(shape)
 
 
 def to_hf(path: str, array: np.ndarray) -> np.ndarray:
-    """ba_jax parameter -> HF layout."""
+    """One layer (or an unstacked parameter) in ba_jax layout -> its HF tensor."""
     shape = hf_shape(path, array.shape)
-    if hf_key(path)[1] == "linear":
+    if _rule(path)[1] == "linear":
         array = array.reshape(math.prod(array.shape[: _n_in(path)]), -1).T
     return np.ascontiguousarray(array).reshape(shape)
 
@@ -151,29 +178,33 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
     if mesh is not None:
         shardings = _flat(sharding_lib.param_shardings(nnx.to_pure_dict(state), mesh))
     files = _hf_files(path)
-    needed = {hf_key(p)[0]: p for p in wanted}
+    L = config.num_layers
+    needed = {k: p for p in wanted for k in hf_keys(p, L)}
     unexpected = [k for k in files if k not in needed and not _IGNORED_HF.fullmatch(k)
                   and not (config.use_tied_embeddings and k == "lm_head.weight")]
     if unexpected:
         raise ValueError(f"{path}: unexpected HF keys {unexpected[:5]} for {config.arch} config")
     missing = [k for k in needed if k not in files]
     if missing:
+        ours = needed[missing[0]]
+        shape = wanted[ours].shape[1:] if is_stacked(ours) else wanted[ours].shape
         raise KeyError(f"{path}: missing HF key {missing[0]!r} (expected shape "
-                       f"{hf_shape(needed[missing[0]], wanted[needed[missing[0]]].shape)}); "
-                       f"{len(missing)} missing in all")
+                       f"{hf_shape(ours, shape)}); {len(missing)} missing in all")
     values: dict[str, jax.Array] = {}
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, "np")) for f in set(files.values())}
-        for key, ours in needed.items():
-            array = handles[files[key]].get_tensor(key)
-            abstract = wanted[ours]
-            expected = hf_shape(ours, abstract.shape)
-            if tuple(array.shape) != expected:
-                raise ValueError(f"{path}: HF key {key!r} ({ours}) has shape {tuple(array.shape)},"
-                                 f" expected {expected}")
-            array = from_hf(ours, array, abstract.shape).astype(param_dtype)
+        for ours, abstract in wanted.items():
+            shape = abstract.shape[1:] if is_stacked(ours) else abstract.shape
+            layers = []
+            for key in hf_keys(ours, L):
+                array = handles[files[key]].get_tensor(key)
+                if tuple(array.shape) != hf_shape(ours, shape):
+                    raise ValueError(f"{path}: HF key {key!r} ({ours}) has shape "
+                                     f"{tuple(array.shape)}, expected {hf_shape(ours, shape)}")
+                layers.append(from_hf(ours, array, shape).astype(param_dtype))
+            array = np.stack(layers) if is_stacked(ours) else layers[0]
             values[ours] = jax.device_put(array, shardings.get(ours))
-            del array  # host memory holds one tensor at a time
+            del array, layers  # host memory holds one (stacked) parameter at a time
     return _merge(graphdef, state, values)
 
 
@@ -226,23 +257,30 @@ def export_hf(model: Qwen, out_dir: str, *, max_shard_bytes: int = 4 << 30) -> N
     dtype = next(iter(flat.values())).dtype
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config(model.config, dtype), f, indent=2)
-    shards: list[list[str]] = [[]]
+    L = model.config.num_layers
+    # (HF key, ba_jax path, layer or None), grouped into files of at most max_shard_bytes
+    tensors = [(k, p, i if is_stacked(p) else None)
+               for p in flat for i, k in enumerate(hf_keys(p, L))]
+    shards: list[list[tuple[str, str, int | None]]] = [[]]
     size = 0
-    for path, leaf in flat.items():
-        nbytes = leaf.size * leaf.dtype.itemsize
+    for entry in tensors:
+        leaf = flat[entry[1]]
+        nbytes = leaf.size * leaf.dtype.itemsize // (L if entry[2] is not None else 1)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(path)
+        shards[-1].append(entry)
         size += nbytes
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map = {}
-    for name, paths in zip(names, shards):
-        # one shard on the host at a time
-        tensors = {hf_key(p)[0]: to_hf(p, np.asarray(jax.device_get(flat[p]))) for p in paths}
-        save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
+    for name, entries in zip(names, shards):
+        out = {}  # one file's tensors on the host at a time
+        for key, p, layer in entries:
+            leaf = flat[p] if layer is None else flat[p][layer]
+            out[key] = to_hf(p, np.asarray(jax.device_get(leaf)))
+        save_file(out, os.path.join(out_dir, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in out})
     if len(shards) > 1:
         total = sum(leaf.size * leaf.dtype.itemsize for leaf in flat.values())
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
@@ -261,6 +299,23 @@ def save_checkpoint(model: Qwen, out_dir: str) -> None:
         ckptr.save(os.path.join(out_dir, "params"), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+def _read_model_config(fields: dict, ckpt_dir: str) -> ModelConfig:
+    """ModelConfig of a `save_checkpoint` folder; folders from before the stacked layers
+    (their config has `use_remat`, their parameters one subtree per layer) are refused."""
+    if "use_remat" in fields:
+        raise ValueError(
+            f"{ckpt_dir} was written by an older ba_jax whose decoder layers were one parameter "
+            "subtree each; layers are now stacked on one axis (run by a scan), so it cannot be "
+            "read: convert the Hugging Face folder again with python -m ba_jax.models.convert_hf")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{ckpt_dir}/model_config.json: unknown fields {unknown}")
+    if isinstance(fields.get("eos_token_id"), list):
+        fields["eos_token_id"] = tuple(fields["eos_token_id"])
+    return ModelConfig(**fields)
+
+
 def load_checkpoint(ckpt_dir: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwen:
     """Reads a `save_checkpoint` folder back into a `Qwen` (cast to `param_dtype`, sharded)."""
     import orbax.checkpoint as ocp
@@ -268,9 +323,7 @@ def load_checkpoint(ckpt_dir: str, *, dtype=jnp.float32, mesh=None, param_dtype=
     ckpt_dir = os.path.abspath(ckpt_dir)
     with open(os.path.join(ckpt_dir, "model_config.json")) as f:
         fields = json.load(f)
-    if isinstance(fields.get("eos_token_id"), list):
-        fields["eos_token_id"] = tuple(fields["eos_token_id"])
-    config = ModelConfig(**fields)
+    config = _read_model_config(fields, ckpt_dir)
     param_dtype = dtype if param_dtype is None else param_dtype
     graphdef, state = _abstract(config, dtype, param_dtype)
     pure = nnx.to_pure_dict(state)

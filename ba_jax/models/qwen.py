@@ -1,8 +1,10 @@
 """Dense Qwen2/2.5 and Qwen3 decoders in flax.nnx, their published configs, and the KV cache.
 
-Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), the `Qwen` module
-(full forward and cached decode) and `init_cache`. Not here: the Hugging Face key table and
-file IO (`convert_hf.py`), parameter shardings (`sharding.py`), sampling loops (`sampler.py`).
+Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), the `Qwen` module (full
+forward, prefill and one-token cached decode), `KVCache` and `init_cache`. Not here: the
+attention kernels (`attention.py`, the one seam that knows which kernel runs), the Hugging Face
+key table and file IO (`convert_hf.py`), parameter shardings (`sharding.py`), sampling loops
+(`sampler.py`).
 
 Call interface:
 
@@ -10,39 +12,36 @@ Call interface:
     logits_BTV = model(tokens_BT, positions_BT=None, attn_mask_BT=None)    # float32 logits
 
 `attn_mask_BT` is 1 for real tokens and 0 for padding; a token attends causally to the real
-tokens at or before it. `positions_BT` defaults to `arange(T)` without a mask and to the number
-of real tokens before each token with one (the same thing for unpadded or right-padded rows,
-the right thing for left-padded ones). `model(tokens_BT)` is the Hugging Face call.
+tokens at or before it, and a padding token's attention output is 0. `positions_BT` defaults to
+`arange(T)` without a mask and to the number of real tokens before each token with one (the
+same thing for unpadded or right-padded rows, the right thing for left-padded ones).
+`model(tokens_BT)` is the Hugging Face call.
 
-KV cache (for a sampler): `cache = init_cache(config, batch, max_len, dtype)` holds, per layer,
-`k_BKHS[l]` of shape [B, K, H, S] (keys after RoPE, transposed) and `v_BKSH[l]` of shape
-[B, K, S, H]. Then
+Layers: the decoder layers are ONE `DecoderLayer` whose parameters carry a leading `layers`
+axis (L), run by `lax.scan` with the remat policy of `config.remat` inside the scanned body, so
+a compiled program holds one layer, not L (parameter paths: `layers.self_attn.q_proj.kernel`
+of shape [L, D, N, H]).
 
-    logits_BTV, cache = model.decode(tokens_BT, positions_BT, cache, cache_index, attn_mask_BS)
-
-writes the T new tokens' keys and values into slots `cache_index .. cache_index+T-1` (one scalar
-for all rows) and lets token t attend to slot s iff `attn_mask_BS[b, s]` and
-`s <= cache_index + t`. `attn_mask_BS` marks the slots holding real tokens *including* the T
-being written. Prefill is `decode` with the (left-padded) prompt at `cache_index=0`; each step
-after is T=1 at the next slot. Batch and kv head lead so the batched dots read the cache in
-place (no per-step transpose); keys are stored [H, S] so that a one-token query's scores are
-a contraction over the cache's major axis (XLA:CPU runs the [S, H] form ~3x slower, and the
-native kernel scores 16 slots per vector instruction); one buffer per layer lets
-`dynamic_update_slice` update it in place when the caller's jit donates the cache.
+KV cache (for a sampler): `KVCache(k_LBSKH, v_LBSKH)`, keys after RoPE, in the compute dtype.
+`model(..., return_kv=True)` also returns the prompt's cache (prefill); `model.decode_step`
+runs one new token per row against the rows' own slots plus, optionally, a prefix cache of P
+prompts shared by the B // P contiguous rows of each (the prompt is encoded once per group) and
+returns the new token's keys/values, which the caller writes with `KVCache.write`: the cache is
+read-only inside the layer scan, and the one write per step is an in-place update of the
+loop-carried buffer.
 
 Numerics: parameters are stored in `param_dtype` and cast to `dtype` for compute; all matmuls
 accumulate in float32 (`preferred_element_type`), and norm statistics, RoPE angles and the
-softmax are float32. `_mm` carries a hand-written backward so that in bfloat16 the gradient
-matmuls also run as bf16 x bf16 -> f32 instead of being promoted to float32 by autodiff.
+softmax are float32. `_mm` carries a hand-written backward: plain autodiff of a bf16 x bf16 ->
+f32 product differentiates into f32 x bf16 products (upcast, at a fraction of the bf16 rate on
+an MXU / tensor core) and rounds the weight gradient to bf16; here the backward products take
+bf16 operands with float32 accumulation and the weight gradient stays float32.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -51,10 +50,17 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from ba_jax import native as native_kernels
-from ba_jax.models import fused
+from ba_jax.models import attention as attention_lib
 
-_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform, not NaN, row
+# config.remat -> the policy of `jax.checkpoint` around one scanned layer (None: no remat).
+# `full` keeps only each layer's input (the paper configs); `dots_with_no_batch_dims_saveable`
+# keeps the projections' outputs and recomputes attention and the elementwise work.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,9 @@ class ModelConfig:
     use_qkv_bias: bool  # bias on q/k/v projections (Qwen2: always; Qwen3: attention_bias)
     use_o_bias: bool  # bias on o_proj (Qwen3 attention_bias only)
     use_qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    use_remat: bool = False  # rematerialise each decoder layer in the backward pass
+    # Run-time choices, not architecture (a checkpoint does not fix them):
+    attention: str = "auto"  # kernel seam implementation, see ba_jax.models.attention.IMPLS
+    remat: str = "none"  # what the backward recomputes per layer: a name in REMAT_POLICIES
     bos_token_id: int | None = None  # kept for export only
     eos_token_id: int | tuple[int, ...] | None = None  # kept for export only
 
@@ -85,6 +93,11 @@ class ModelConfig:
             raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {self.arch!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} not a multiple of {self.num_kv_heads=}")
+        if self.attention not in attention_lib.IMPLS:
+            raise ValueError(f"model.attention={self.attention!r}; valid: "
+                             f"{', '.join(attention_lib.IMPLS)}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -159,233 +172,40 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-_NATIVE_MATMUL: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "ba_jax_native_matmul", default=None)
+def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...], out_dtype=jnp.float32) -> jax.Array:
+    """Contracts x's trailing len(w_axes) dims with w's `w_axes` (increasing); the float32 sum,
+    rounded once to out_dtype. w (the parameter, in its own dtype) is cast to x's compute dtype
+    inside, so that its gradient leaves the float32 accumulator in the parameter's dtype."""
+    return _mm_vjp(x, w, w_axes, out_dtype)
 
 
-# The kernel packs the weight on every call; below this many rows (a decode step's 128)
-# that packing costs more than XLA's dot, measured on this project's reference model.
-_AMX_MIN_ROWS = 512
-
-
-@contextlib.contextmanager
-def native_matmul(enabled: bool | None):
-    """While tracing inside, the model's native CPU kernels are used iff `enabled` and they
-    are available: bf16 projections of at least _AMX_MIN_ROWS rows on the AMX kernel
-    (`native.matmul_amx`), the training forward's attention on `native.attention`, and the
-    SwiGLU activation and RMSNorms on `native.swiglu` / `native.rms_norm` (all with their
-    backward). None (the default outside): only when JAX sees a single device, because a
-    custom call is not partitioned by XLA: a run that shards activations over a mesh must
-    keep XLA's ops."""
-    token = _NATIVE_MATMUL.set(enabled)
-    try:
-        yield
-    finally:
-        _NATIVE_MATMUL.reset(token)
-
-
-def _native_enabled(unsharded: bool = False) -> bool:
-    enabled = _NATIVE_MATMUL.get()
-    return bool(unsharded or jax.device_count() == 1) if enabled is None else enabled
-
-
-def _native_matmul_enabled(unsharded: bool = False) -> bool:
-    return _native_enabled(unsharded) and native_kernels.matmul_amx_available()
-
-
-# id(module) -> (module, its weight packed by native.pack_amx), inside `packed_weights`
-_PACKED: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
-    "ba_jax_packed_weights", default=None)
-
-
-@contextlib.contextmanager
-def packed_weights(model: "Qwen", *, unsharded: bool = False):
-    """Inference only: while tracing inside, `model`'s bf16 projections (and the tied
-    output embedding) multiply by weights packed once, here, for the AMX kernel, at any
-    number of rows. For loops that reuse the weights every step (the sampler's decode):
-    the per-call kernel repacks the weight, which costs more than XLA's dot at a decode
-    step's 128 rows. A no-op unless the model computes in bfloat16 and the kernel would be
-    used (see `native_matmul`; `unsharded=True`: the caller runs on one device, so the
-    kernel is used by default even when JAX sees several). No gradient flows through
-    packed products."""
-    packed: dict[int, tuple[Any, Any]] = {}
-    if model.dtype == jnp.bfloat16 and _native_matmul_enabled(unsharded):
-        modules = [m for _, m in nnx.iter_modules(model)]
-        # gate and up run as one product (MLP.gate_up): pack that, not the two kernels
-        in_gate_up = {id(p) for m in modules if isinstance(m, MLP)
-                      for p in (m.gate_proj, m.up_proj)}
-        for module in modules:
-            if isinstance(module, MLP):
-                packed[id(module)] = (module, native_kernels.pack_amx(
-                    _compute_weight(module.gate_up_kernels(), jnp.bfloat16)))
-            elif isinstance(module, Linear) and id(module) not in in_gate_up:
-                w = module.kernel[...]
-                k = math.prod(w.shape[:module.n_in])
-                packed[id(module)] = (module, native_kernels.pack_amx(
-                    w.astype(jnp.bfloat16).reshape(k, -1)))
-        if model.lm_head is None:
-            e = model.embed_tokens
-            packed[id(e)] = (e, native_kernels.pack_amx(
-                e.embedding[...].astype(jnp.bfloat16), transpose_b=True))
-    token = _PACKED.set(packed or None)
-    try:
-        yield
-    finally:
-        _PACKED.reset(token)
-
-
-def _packed_mm(module, x: jax.Array, n_in: int, out_shape, out_dtype) -> jax.Array | None:
-    """x (contracting its trailing n_in dims) times module's packed weight, or None when
-    the weight is not packed (outside `packed_weights`)."""
-    entry = (_PACKED.get() or {}).get(id(module))
-    if entry is None:
-        return None
-    lead = x.shape[:x.ndim - n_in]
-    y = native_kernels.matmul_amx_packed(x.astype(jnp.bfloat16).reshape(math.prod(lead), -1),
-                                         entry[1], out_dtype=out_dtype)
-    return y.reshape(*lead, *out_shape)
-
-
-def _amx_layout(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...]) -> str | None:
-    """"in_out" (w = [in..., out...]) or "out_in" (w = [out..., in...], the tied embedding)
-    when this product runs on the AMX kernel, else None (XLA's dot)."""
-    if x.dtype != jnp.bfloat16 or math.prod(x.shape[:x.ndim - len(w_axes)]) < _AMX_MIN_ROWS:
-        return None
-    if not _native_matmul_enabled():
-        return None
-    if w_axes == tuple(range(len(w_axes))):
-        return "in_out"
-    if w_axes == tuple(range(w.ndim - len(w_axes), w.ndim)):
-        return "out_in"
-    return None
-
-
-def _amx_operands(x, w, w_axes, layout):
-    """x as [rows, in], w (compute dtype) as [in, out] or [out, in], and the out shape."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mm_vjp(x, w, w_axes, out_dtype):
     n = len(w_axes)
-    in_shape = x.shape[x.ndim - n:]
-    out_shape = w.shape[n:] if layout == "in_out" else w.shape[:w.ndim - n]
-    k = math.prod(in_shape)
-    w2 = w.astype(x.dtype).reshape((k, -1) if layout == "in_out" else (-1, k))
-    return x.reshape(-1, k), w2, out_shape
-
-
-def _mm(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], w_axes: tuple[int, ...],
-        out_dtype=jnp.float32) -> jax.Array:
-    """Contracts x's trailing len(w_axes) dims with w's `w_axes`; the float32 sum, rounded
-    once to out_dtype. A tuple w stands for its kernels side by side along their last axis
-    (the MLP's gate and up); its gradient is the tuple of their gradients.
-
-    w (the parameter, in its own dtype) is cast to x's compute dtype inside, so that its
-    gradient leaves the float32 accumulator in the parameter's dtype, with no bf16 rounding
-    and no convert pair in between. Whether the AMX kernel runs is decided here, when the
-    forward is traced, and the backward follows that decision (it may be traced later,
-    outside a `native_matmul` block).
-    """
-    w0 = w[0] if isinstance(w, tuple) else w
-    return _mm_vjp(x, w, w_axes, out_dtype, _amx_layout(x, w0, w_axes))
-
-
-def _compute_weight(w, dtype) -> jax.Array:
-    """w cast to the compute dtype; a tuple's kernels are each cast, then concatenated in
-    the compute dtype (in bf16 that copies half the bytes of a float32 concatenation followed
-    by a cast, which is what casting the concatenated kernels made XLA do every step)."""
-    if isinstance(w, tuple):
-        if dtype == jnp.bfloat16:
-            # As 16-bit integers: XLA:CPU would do a bf16 concatenation in float32 (a
-            # round trip through float32 for each kernel, then a float32 copy and a cast).
-            bits = [lax.bitcast_convert_type(p.astype(dtype), jnp.uint16) for p in w]
-            return lax.bitcast_convert_type(jnp.concatenate(bits, axis=-1), dtype)
-        return jnp.concatenate([p.astype(dtype) for p in w], axis=-1)
-    return w.astype(dtype)
-
-
-def _weight_cotangent(dw: jax.Array, w):
-    """dw (float32, the compute weight's shape) as w's cotangent: split back for a tuple."""
-    if isinstance(w, tuple):
-        cuts = np.cumsum([p.shape[-1] for p in w])[:-1].tolist()
-        return tuple(d.astype(p.dtype) for d, p in zip(jnp.split(dw, cuts, axis=-1), w))
-    return dw.astype(w.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _mm_vjp(x, w, w_axes, out_dtype, layout):
-    n = len(w_axes)
-    w_c = _compute_weight(w, x.dtype)
-    if layout is not None:
-        x2, w2, out_shape = _amx_operands(x, w_c, w_axes, layout)
-        y2 = native_kernels.matmul_amx(x2, w2, transpose_b=layout == "out_in",
-                                       out_dtype=out_dtype)
-        return y2.reshape(*x.shape[:x.ndim - n], *out_shape)
     dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
-    y = lax.dot_general(x, w_c, dims, preferred_element_type=jnp.float32)
+    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
-def _mm_fwd(x, w, w_axes, out_dtype, layout):
-    return _mm_vjp(x, w, w_axes, out_dtype, layout), (x, w)
+def _mm_fwd(x, w, w_axes, out_dtype):
+    return _mm_vjp(x, w, w_axes, out_dtype), (x, w)
 
 
-def _rowmajor_transpose(a_NK: jax.Array) -> jax.Array:
-    """a.T [K, N] as a fresh row-major array that XLA cannot fold back into its consumer.
-
-    XLA:CPU runs a bf16 x bf16 -> f32 dot on its fast library (YNNPACK) path only when the
-    left operand contracts its minor dimension. A weight gradient x^T g contracts the token
-    dimension, the major one of both operands; written plainly, XLA upcasts that dot to
-    float32 and runs it 3-5x slower. The product with an opaque scalar one takes the scalar's
-    row-major layout (a bare transpose keeps a column-major one), and the barrier keeps the
-    algebraic simplifier from folding the transpose into the dot again.
-    """
-    one = lax.optimization_barrier(jnp.ones((), a_NK.dtype))
-    return lax.optimization_barrier(one * a_NK.T)
-
-
-def _weight_grad(x, g, w_axes, w_ndim):
-    """dL/dw of x . w (contracting x's trailing dims with w's `w_axes`), float32."""
+def _mm_bwd(w_axes, out_dtype, res, g):
+    x, w = res
+    g = g.astype(x.dtype)  # bf16 cotangent: the backward products stay bf16 x bf16 -> f32
+    w_c = w.astype(x.dtype)
     n_free = x.ndim - len(w_axes)
     lead = tuple(range(n_free))
-    w_free = tuple(a for a in range(w_ndim) if a not in w_axes)
-    in_shape, out_shape = x.shape[n_free:], g.shape[n_free:]
-    if jax.default_backend() == "cpu" and x.dtype == jnp.bfloat16:
-        n = math.prod(x.shape[:n_free])
-        x_NI = x.reshape(n, -1)
-        g_NO = g.reshape(n, -1)
-        if w_axes == tuple(range(len(w_axes))):  # w = [in..., out...]
-            dw = jnp.dot(_rowmajor_transpose(x_NI), g_NO, preferred_element_type=jnp.float32)
-            return dw.reshape(*in_shape, *out_shape)
-        if w_free + w_axes == tuple(range(w_ndim)):  # w = [out..., in...] (tied embedding)
-            # Transposing the small x and then the [in, out] result is several times faster
-            # than transposing g (the [tokens, vocab] logits gradient) on XLA:CPU.
-            dw_IO = jnp.dot(_rowmajor_transpose(x_NI), g_NO, preferred_element_type=jnp.float32)
-            return lax.optimization_barrier(dw_IO).T.reshape(*out_shape, *in_shape)
-    if w_free + w_axes == tuple(range(w_ndim)):
-        # w = [out, in]: produce that order directly; the transposed form hits XLA CPU's
-        # generic DotThunk, which rejects bf16 x bf16 -> f32
-        return lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-    dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-    return jnp.transpose(dw, np.argsort(w_axes + w_free))
-
-
-def _mm_bwd(w_axes, out_dtype, layout, res, g):
-    x, w = res
-    g = g.astype(x.dtype)  # bf16 cotangent: the backward dots stay bf16 x bf16 -> f32
-    w_c = _compute_weight(w, x.dtype)
-    if layout is not None:
-        x2, w2, _ = _amx_operands(x, w_c, w_axes, layout)
-        g2 = g.reshape(x2.shape[0], -1)
-        if layout == "in_out":  # dx = g w^T, dw = x^T g
-            dx2 = native_kernels.matmul_amx(g2, w2, transpose_b=True, out_dtype=x.dtype)
-            dw2 = native_kernels.matmul_amx(x2, g2, transpose_a=True)
-        else:  # w = [out, in]: dx = g w, dw = g^T x
-            dx2 = native_kernels.matmul_amx(g2, w2, out_dtype=x.dtype)
-            dw2 = native_kernels.matmul_amx(g2, x2, transpose_a=True)
-        return dx2.reshape(x.shape), _weight_cotangent(dw2.reshape(w_c.shape), w)
-    n_free = x.ndim - len(w_axes)
-    w_free = tuple(a for a in range(w_c.ndim) if a not in w_axes)
+    w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
     g_wdims = tuple(range(n_free, g.ndim))
     dx = lax.dot_general(g, w_c, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
-    dw = _weight_grad(x, g, w_axes, w_c.ndim)
-    return dx.astype(x.dtype), _weight_cotangent(dw, w)
+    if w_free + w_axes == tuple(range(w.ndim)):  # w = [out..., in...] (the tied embedding)
+        dw = lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    else:  # [in (w_axes order)..., out...] -> w's axis order
+        dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+        dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 _mm_vjp.defvjp(_mm_fwd, _mm_bwd)
@@ -402,12 +222,8 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        axes = tuple(range(self.n_in))
         out_dtype = self.dtype if self.bias is None else jnp.float32
-        out_shape = self.kernel[...].shape[self.n_in:]
-        y = _packed_mm(self, x, self.n_in, out_shape, out_dtype)
-        if y is None:
-            y = _mm(x.astype(self.dtype), self.kernel[...], axes, out_dtype)
+        y = _mm(x.astype(self.dtype), self.kernel[...], tuple(range(self.n_in)), out_dtype)
         if self.bias is None:
             return y
         return (y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
@@ -430,14 +246,11 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale32 = self.scale[...].astype(jnp.float32)
-        if x.dtype == self.dtype and _use_native_elementwise(x.dtype):
-            return fused.rms_norm(x, scale32, self.eps)
         x32 = x.astype(jnp.float32)
         x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # Scaled in float32, rounded once: the scale's gradient is then a float32 sum over
-        # tokens (a bf16 one becomes a slow reduce-window on XLA:CPU).
-        return (x32 * scale32).astype(self.dtype)
+        # Scaled in float32 and rounded once, as Hugging Face does; the scale's gradient is a
+        # float32 sum over tokens.
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
 def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
@@ -456,117 +269,6 @@ def _rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
     return jnp.sin(angle), jnp.cos(angle)
 
 
-def _cache_write(buf: jax.Array, new: jax.Array, index, axis: int) -> jax.Array:
-    """Writes `new` at slot `index` of `axis` in place (when the caller donates the cache)."""
-    start = tuple(index if a == axis else 0 for a in range(buf.ndim))
-    if buf.dtype != jnp.bfloat16:
-        return lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
-    # XLA CPU runs a bf16 dynamic_update_slice as convert -> f32 update -> convert, rewriting
-    # the whole cache every step; on the uint16 bit pattern it is a cheaper slot write.
-    bits = lax.bitcast_convert_type(buf, jnp.uint16)
-    new = lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
-    return lax.bitcast_convert_type(lax.dynamic_update_slice(bits, new, start), jnp.bfloat16)
-
-
-def _attend(q_BKGTH, k_BKxx, v_BKSH, mask_BTS, k_spec):
-    """softmax(q k^T / sqrt(H)) v over the unmasked slots -> (o_BKGTH, p_BKGTS float32,
-    o_BKGTH float32).
-
-    Scores, softmax and p are float32; the two dots take the compute dtype with float32
-    accumulation, and o is returned in the compute dtype (and as the float32 sum).
-    """
-    dtype, H = q_BKGTH.dtype, q_BKGTH.shape[-1]
-    s_BKGTS = jnp.einsum(k_spec, q_BKGTH, k_BKxx,
-                         preferred_element_type=jnp.float32) * (H ** -0.5)
-    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, _MASKED)
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
-    o_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", p_BKGTS.astype(dtype), v_BKSH,
-                         preferred_element_type=jnp.float32)
-    return o_BKGTH.astype(dtype), p_BKGTS, o_BKGTH
-
-
-@jax.custom_vjp
-def _self_attention(q_BKGTH, k_BKSH, v_BKSH, mask_BTS):
-    """`_attend` over keys [B, K, S, H], with a backward whose dots stay in the compute dtype.
-
-    Plain autodiff runs the four backward dots on float32 cotangents (in bfloat16, float32
-    dots at a fraction of the bf16 x bf16 -> f32 speed); here each takes bf16 operands with
-    float32 accumulation, as the forward does, and the softmax gradient is float32.
-    """
-    return _attend(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, "BKGTH,BKSH->BKGTS")[0]
-
-
-def _self_attention_fwd(q_BKGTH, k_BKSH, v_BKSH, mask_BTS):
-    o_BKGTH, p_BKGTS, o32_BKGTH = _attend(q_BKGTH, k_BKSH, v_BKSH, mask_BTS,
-                                          "BKGTH,BKSH->BKGTS")
-    return o_BKGTH, (q_BKGTH, k_BKSH, v_BKSH, mask_BTS, p_BKGTS, o32_BKGTH)
-
-
-def _self_attention_bwd(res, do_BKGTH):
-    q_BKGTH, k_BKSH, v_BKSH, mask_BTS, p_BKGTS, o32_BKGTH = res
-    dtype, H = q_BKGTH.dtype, q_BKGTH.shape[-1]
-    f32 = dict(preferred_element_type=jnp.float32)
-    do_BKGTH = do_BKGTH.astype(dtype)
-    dv_BKSH = jnp.einsum("BKGTS,BKGTH->BKSH", p_BKGTS.astype(dtype), do_BKGTH, **f32)
-    dp_BKGTS = jnp.einsum("BKGTH,BKSH->BKGTS", do_BKGTH, v_BKSH, **f32)
-    # sum_s p_s dp_s = do . sum_s p_s v_s = do . o: a reduction over H, not over the slots
-    # (FlashAttention's rowsum(dO * O); exact up to rounding, any p)
-    D_BKGT1 = jnp.sum(do_BKGTH.astype(jnp.float32) * o32_BKGTH, axis=-1, keepdims=True)
-    ds_BKGTS = p_BKGTS * (dp_BKGTS - D_BKGT1)
-    # masked scores get no gradient (a fully masked row's uniform p would otherwise pass one)
-    ds_BKGTS = jnp.where(mask_BTS[:, None, None], ds_BKGTS * (H ** -0.5), 0.0).astype(dtype)
-    dq_BKGTH = jnp.einsum("BKGTS,BKSH->BKGTH", ds_BKGTS, k_BKSH, **f32)
-    dk_BKSH = jnp.einsum("BKGTS,BKGTH->BKSH", ds_BKGTS, q_BKGTH, **f32)
-    mask_zero = np.zeros(mask_BTS.shape, jax.dtypes.float0)  # boolean input: no cotangent
-    return (dq_BKGTH.astype(dtype), dk_BKSH.astype(k_BKSH.dtype),
-            dv_BKSH.astype(v_BKSH.dtype), mask_zero)
-
-
-_self_attention.defvjp(_self_attention_fwd, _self_attention_bwd)
-
-
-@jax.custom_vjp
-def _native_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH):
-    """RoPE on q and k, then `_self_attention`, on the native CPU kernel (`native.attention`)
-    in the projections' layouts (no [B, K, G, T, H] transposes, no per-head sin/cos, no
-    [T, S] array in memory); same numerics."""
-    return _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)[0]
-
-
-def _native_attention_fwd(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH):
-    o32_BTNH = native_kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH)
-    res = (q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o32_BTNH)
-    return o32_BTNH.astype(q_BTNH.dtype), res
-
-
-def _native_attention_bwd(res, do_BTNH):
-    q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH, cos_BTH, o32_BTNH = res
-    dq, dk, dv = native_kernels.attention_grad(q_BTNH, k_BTKH, v_BTKH, mask_BTS, sin_BTH,
-                                               cos_BTH, o32_BTNH, do_BTNH)
-    mask_zero = np.zeros(mask_BTS.shape, jax.dtypes.float0)
-    # the tables are functions of the positions: their gradient is never used
-    return (dq.astype(q_BTNH.dtype), dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype),
-            mask_zero, jnp.zeros_like(sin_BTH), jnp.zeros_like(cos_BTH))
-
-
-_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
-
-
-def _use_native_attention(dtype) -> bool:
-    """The training forward's attention on the CPU kernel: float32 or bfloat16, the kernel
-    built with AVX-512, and native kernels enabled (`native_matmul`: by default only when
-    JAX sees one device, since XLA does not partition a custom call)."""
-    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
-        return False
-    return _native_enabled() and native_kernels.attention_available()
-
-
-def _use_native_elementwise(dtype) -> bool:
-    """The fused elementwise kernels (`native.swiglu`, `native.rms_norm`): under the
-    conditions of `_use_native_attention` (same library, built with AVX-512)."""
-    return _use_native_attention(dtype)
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
 
@@ -580,50 +282,30 @@ class Attention(nnx.Module):
         nkw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
-        self.num_kv_heads = K
-        self.dtype = dtype
 
-    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None,
-                 native=None):
-        """`native` = (slots_BS, prompt or None): one cached token through the CPU kernel."""
-        B, T, _ = x_BTD.shape
-        q_BTNH = self.q_proj(x_BTD)
-        k_BTKH = self.k_proj(x_BTD)
-        v_BTKH = self.v_proj(x_BTD)
+    def _qkv(self, x_BTD, sin_BTH, cos_BTH):
+        """Queries and keys after q/k norm and RoPE, values; all in the compute dtype."""
+        q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        if kv is None and native is None and _use_native_attention(self.dtype):
-            o_BTNH = _native_attention(q_BTNH, k_BTKH, v_BTKH.astype(self.dtype), mask_BTS,
-                                       sin_BTH, cos_BTH)
-            return self.o_proj(o_BTNH), kv
-        q_BTNH = _rope(q_BTNH, sin_BTH, cos_BTH)
-        if native is not None:  # one cached token through the CPU kernel
-            slots_BS, prompt = native
-            o_BNH, k_BKHS, v_BKSH = native_kernels.decode_attention(
-                q_BTNH[:, 0], _rope(k_BTKH, sin_BTH, cos_BTH)[:, 0], v_BTKH[:, 0], kv[0], kv[1],
-                slots_BS, cache_index, prompt)
-            return self.o_proj(o_BNH[:, None].astype(self.dtype)), (k_BKHS, v_BKSH)
-        k_BKTH = _rope(k_BTKH, sin_BTH, cos_BTH).transpose(0, 2, 1, 3)
-        v_BKTH = v_BTKH.transpose(0, 2, 1, 3)
-        if kv is None:
-            k_BKxx, v_BKSH, spec = k_BKTH, v_BKTH, "BKGTH,BKSH->BKGTS"
-        else:
-            k_BKxx = _cache_write(kv[0], k_BKTH.transpose(0, 1, 3, 2), cache_index, axis=3)
-            v_BKSH = _cache_write(kv[1], v_BKTH, cache_index, axis=2)
-            kv, spec = (k_BKxx, v_BKSH), "BKGTH,BKHS->BKGTS"
-        K, H = self.num_kv_heads, q_BTNH.shape[-1]
-        q_BKGTH = q_BTNH.reshape(B, T, K, -1, H).transpose(0, 2, 3, 1, 4)
-        k_BKxx, v_BKSH = k_BKxx.astype(self.dtype), v_BKSH.astype(self.dtype)
-        if kv is None:
-            o_BKGTH = _self_attention(q_BKGTH, k_BKxx, v_BKSH, mask_BTS)
-        else:
-            o_BKGTH = _attend(q_BKGTH, k_BKxx, v_BKSH, mask_BTS, spec)[0]
-        o_BTNH = o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, -1, H)
-        return self.o_proj(o_BTNH), kv
+        return _rope(q_BTNH, sin_BTH, cos_BTH), _rope(k_BTKH, sin_BTH, cos_BTH), v_BTKH
+
+    def __call__(self, x_BTD, sin_BTH, cos_BTH, valid_BT, impl: str):
+        """Full causal self-attention -> (output, (k_BTKH, v_BTKH)) (the keys for a cache)."""
+        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, sin_BTH, cos_BTH)
+        o_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, valid_BT, impl=impl)
+        return self.o_proj(o_BTNH), (k_BTKH, v_BTKH)
+
+    def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
+        """One new token per row over its cache (and a shared prefix) -> (out, (k_BKH, v_BKH))."""
+        q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, sin_B1H, cos_B1H)
+        o_BNH = attention_lib.decode_attention(q_B1NH[:, 0], k_B1KH[:, 0], v_B1KH[:, 0],
+                                               k_BSKH, v_BSKH, valid_BS, prefix=prefix)
+        return self.o_proj(o_BNH[:, None]), (k_B1KH[:, 0], v_B1KH[:, 0])
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), the product in float32, rounded once."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
         D, F = cfg.hidden_size, cfg.intermediate_size
@@ -633,24 +315,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear((F,), (D,), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down_proj(fused.swiglu(self.gate_up(x_BTD),
-                                           _use_native_elementwise(self.gate_proj.dtype)))
-
-    def gate_up_kernels(self) -> tuple[jax.Array, jax.Array]:
-        """The gate and up kernels [D, F], in their parameter dtype: what `_mm` and the
-        packed products put side by side ([D, 2F])."""
-        return self.gate_proj.kernel[...], self.up_proj.kernel[...]
-
-    def gate_up(self, x_BTD: jax.Array) -> jax.Array:
-        """[gate(x), up(x)] [B, T, 2F] in the compute dtype, as one product by the
-        concatenated kernels: one pass over x forward, one input gradient (no sum of two) and
-        one weight-gradient product backward, instead of two of each."""
-        dtype = self.gate_proj.dtype
-        out_shape = (2 * self.gate_proj.kernel[...].shape[-1],)
-        y = _packed_mm(self, x_BTD, 1, out_shape, dtype)
-        if y is None:
-            y = _mm(x_BTD.astype(dtype), self.gate_up_kernels(), (0,), dtype)
-        return y
+        g_BTF = self.gate_proj(x_BTD).astype(jnp.float32)
+        h_BTF = jax.nn.silu(g_BTF) * self.up_proj(x_BTD).astype(jnp.float32)
+        return self.down_proj(h_BTF.astype(x_BTD.dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -664,36 +331,56 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, **nkw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **nkw)
 
-    def __call__(self, x_BTD, sin_BTH, cos_BTH, mask_BTS, kv=None, cache_index=None,
-                 native=None):
-        h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, mask_BTS,
-                                   kv, cache_index, native)
+    def __call__(self, x_BTD, sin_BTH, cos_BTH, valid_BT, impl: str):
+        h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, valid_BT, impl)
         x_BTD = x_BTD + h_BTD
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)), kv
 
-
-def _run_layer(layer: DecoderLayer, x_BTD, sin_BTH, cos_BTH, mask_BTS):
-    return layer(x_BTD, sin_BTH, cos_BTH, mask_BTS)[0]
+    def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
+        h_B1D, kv = self.self_attn.decode(self.input_layernorm(x_B1D), sin_B1H, cos_B1H, k_BSKH,
+                                          v_BSKH, valid_BS, prefix)
+        x_B1D = x_B1D + h_B1D
+        return x_B1D + self.mlp(self.post_attention_layernorm(x_B1D)), kv
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer key/value buffers for cached decoding."""
+    """Keys (after RoPE) and values of every layer, in the compute dtype."""
 
-    k_BKHS: list[jax.Array]  # one [B, K, H, S] buffer per layer, keys after RoPE
-    v_BKSH: list[jax.Array]  # one [B, K, S, H] buffer per layer
+    k_LBSKH: jax.Array  # [L, B, S, K, H]
+    v_LBSKH: jax.Array  # [L, B, S, K, H]
+
+    def write(self, k_LBKH: jax.Array, v_LBKH: jax.Array, slot) -> KVCache:
+        """The cache with one token per row written at `slot` (in place when the buffer is
+        loop-carried or donated)."""
+        start = (0, 0, slot, 0, 0)
+        put = lambda buf, new: lax.dynamic_update_slice(  # noqa: E731
+            buf, new[:, :, None].astype(buf.dtype), start)
+        return KVCache(put(self.k_LBSKH, k_LBKH), put(self.v_LBSKH, v_LBKH))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """Zeroed KV cache with `max_len` slots per row."""
-    K, H, L = config.num_kv_heads, config.head_dim, config.num_layers
-    return KVCache(k_BKHS=[jnp.zeros((batch, K, H, max_len), dtype) for _ in range(L)],
-                   v_BKSH=[jnp.zeros((batch, K, max_len, H), dtype) for _ in range(L)])
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs, dtype, param_dtype) -> DecoderLayer:
+    """One DecoderLayer whose parameters have a leading axis of cfg.num_layers layers, each
+    initialised from its own split of `rngs`."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return DecoderLayer(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    return make(rngs)
 
 
 class Qwen(nnx.Module):
-    """Qwen2/2.5/3 causal LM; parameter paths mirror Hugging Face (without `model.`)."""
+    """Qwen2/2.5/3 causal LM; parameter paths mirror Hugging Face (without `model.`), with the
+    decoder layers stacked on a leading axis (`layers.mlp.up_proj.kernel` [L, D, F])."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
@@ -701,7 +388,7 @@ class Qwen(nnx.Module):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs,
                                   param_dtype=param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_layers)])
+        self.layers = _stacked_layers(cfg, rngs, dtype, param_dtype)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype)
         self.lm_head = (None if cfg.use_tied_embeddings else
@@ -713,23 +400,33 @@ class Qwen(nnx.Module):
 
     def _logits(self, x_BTD):
         x_BTD = self.norm(x_BTD)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        y = _packed_mm(head, x_BTD, 1, (self.config.vocab_size,), jnp.float32)
-        if y is not None:
-            return y
         if self.lm_head is None:
             return _mm(x_BTD, self.embed_tokens.embedding[...], (1,))
         return _mm(x_BTD, self.lm_head.kernel[...], (0,))
 
+    def _scan_layers(self, body, x, xs, remat: str = "none"):
+        """lax.scan of body(layer, x, xs_l) -> (x, ys_l) over the stacked layers, the remat
+        policy applied to one layer (the scanned body), so the program holds one layer."""
+        graphdef, state = nnx.split(self.layers)
+
+        def step(x, xs_l):
+            layer_state, rest = xs_l
+            return body(nnx.merge(graphdef, layer_state), x, rest)
+
+        policy = REMAT_POLICIES[remat]
+        if policy is not None:
+            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        return lax.scan(step, x, (state, xs))
+
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 attn_mask_BT: jax.Array | None = None, *,
-                 logits_slice: slice | None = None) -> jax.Array:
-        """Full causal forward -> float32 logits [B, T, V].
+                 attn_mask_BT: jax.Array | None = None, *, logits_slice: slice | None = None,
+                 return_kv: bool = False):
+        """Full causal forward -> float32 logits [B, T, V] (and the KVCache if `return_kv`).
 
         `logits_slice` (a static slice of the T positions) returns only those positions'
         logits, [B, len(range(T)[logits_slice]), V]: the final norm and the output projection
-        then run on those hidden states only, not on all T and sliced after (a trainer scoring
-        responses skips the prompt positions, and a next-token loss the last one).
+        then run on those hidden states only (a trainer scoring responses skips the prompt
+        positions, a next-token loss the last one, a prefill all but the last).
         """
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
@@ -737,48 +434,38 @@ class Qwen(nnx.Module):
             positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
         sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
                                         self.config.rope_theta)
-        causal_TS = jnp.tril(jnp.ones((T, T), bool))
-        mask_BTS = causal_TS[None] & valid_BT[:, None, :]
-        run = nnx.remat(_run_layer) if self.config.use_remat else _run_layer
-        x_BTD = self._embed(tokens_BT)
-        for layer in self.layers:
-            x_BTD = run(layer, x_BTD, sin_BTH, cos_BTH, mask_BTS)
+        impl = attention_lib.resolve(self.config.attention, dtype=self.dtype, seq_len=T)
+
+        def body(layer, x_BTD, _):
+            x_BTD, kv = layer(x_BTD, sin_BTH, cos_BTH, valid_BT, impl)
+            return x_BTD, kv if return_kv else None
+
+        x_BTD, kv = self._scan_layers(body, self._embed(tokens_BT), None, self.config.remat)
         if logits_slice is not None:
             x_BTD = x_BTD[:, logits_slice]
-        return self._logits(x_BTD)
+        logits_BTV = self._logits(x_BTD)
+        return (logits_BTV, KVCache(*kv)) if return_kv else logits_BTV
 
-    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
-               cache_index: jax.Array | int, attn_mask_BS: jax.Array, *,
-               use_native: bool = False,
-               prompt: tuple[KVCache, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
-        """Writes T tokens at `cache_index` and attends over the cache -> (logits_BTV, cache).
+    def decode_step(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache,
+                    valid_BS: jax.Array, prefix: tuple[KVCache, jax.Array] | None = None):
+        """One new token per row -> (logits_BV float32, k_LBKH, v_LBKH).
 
-        `use_native` (T == 1 only; the caller checks `native.decode_attention_available()`
-        and that the arrays are not sharded) runs each layer's attention and cache write
-        through the CPU kernel of `ba_jax.native` instead of XLA; same results.
-        `prompt` = (prompt_cache, mask_PT) (with `use_native` only): a cache of P prompts
-        shared by the B // P contiguous rows of each, attended before `cache`'s own slots,
-        as if every row held a copy of its prompt in front of them.
+        The token attends to its row's cache slots where `valid_BS`, to itself, and, with
+        `prefix` = (prompt KVCache of P rows, valid_PT), to its prompt's slots, shared by the
+        B // P contiguous rows of each prompt. The new keys/values are returned for the caller
+        to write (`KVCache.write`); the cache is not changed here.
         """
-        T = tokens_BT.shape[1]
-        if use_native and T != 1:
-            raise ValueError(f"use_native decodes one token at a time, got T={T}")
-        if prompt is not None and not use_native:
-            raise ValueError("a shared prompt cache needs use_native=True")
-        pcache, pmask_PT = prompt if prompt is not None else (None, None)
-        S = cache.v_BKSH[0].shape[2]
-        sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
+        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
                                         self.config.rope_theta)
-        query_slot_T = cache_index + jnp.arange(T)
-        causal_TS = jnp.arange(S)[None, :] <= query_slot_T[:, None]
-        mask_BTS = causal_TS[None] & attn_mask_BS.astype(bool)[:, None, :]
-        x_BTD = self._embed(tokens_BT)
-        ks, vs = [], []
-        for i, (layer, k, v) in enumerate(zip(self.layers, cache.k_BKHS, cache.v_BKSH)):
-            shared = (pcache.k_BKHS[i], pcache.v_BKSH[i], pmask_PT) if pcache else None
-            native = (attn_mask_BS, shared) if use_native else None
-            x_BTD, (k, v) = layer(x_BTD, sin_BTH, cos_BTH, mask_BTS, (k, v), cache_index,
-                                  native)
-            ks.append(k)
-            vs.append(v)
-        return self._logits(x_BTD), KVCache(k_BKHS=ks, v_BKSH=vs)
+        pk, pv, pvalid_PT = ((None, None, None) if prefix is None else
+                             (prefix[0].k_LBSKH, prefix[0].v_LBSKH, prefix[1].astype(bool)))
+
+        def body(layer, x_B1D, xs_l):
+            k_BSKH, v_BSKH, pk_PTKH, pv_PTKH = xs_l
+            pre = None if pk_PTKH is None else (pk_PTKH, pv_PTKH, pvalid_PT)
+            return layer.decode(x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS.astype(bool),
+                                pre)
+
+        x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(
+            body, self._embed(tokens_B[:, None]), (cache.k_LBSKH, cache.v_LBSKH, pk, pv))
+        return self._logits(x_B1D)[:, 0], k_LBKH, v_LBKH
