@@ -65,7 +65,7 @@ class _Stats(NamedTuple):
     num_groups_active: jax.Array  # B without degenerate groups
 
 
-def _safe_div(a: jax.Array, b: jax.Array) -> jax.Array:
+def safe_div(a: jax.Array, b: jax.Array) -> jax.Array:
     """a / b where b > 0, else 0 (both branches finite, so no NaN in any gradient)."""
     ok = b > 0
     return jnp.where(ok, a / jnp.where(ok, b, 1.0), 0.0)
@@ -126,44 +126,44 @@ def _builtin(c_fn: Callable[[_Stats, jax.Array, int], jax.Array]) -> Rule:
 
 @_builtin
 def _token(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
-    return s.present_B * _safe_div(1.0, s.len_B.sum())
+    return s.present_B * safe_div(1.0, s.len_B.sum())
 
 
 @_builtin
 def _token_group(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
-    c_P = _safe_div(1.0, num_b * s.tall_P)
+    c_P = safe_div(1.0, num_b * s.tall_P)
     return s.present_B * c_P[s.gid_B]
 
 
 @_builtin
 def _sequence(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
-    return s.present_B * _safe_div(1.0, s.num_rows * s.len_B)
+    return s.present_B * safe_div(1.0, s.num_rows * s.len_B)
 
 
 @_builtin
 def _sequence_sum(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
-    return s.present_B * _safe_div(1.0, s.num_rows)
+    return s.present_B * safe_div(1.0, s.num_rows)
 
 
 @_builtin
 def _constant(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
-    return s.present_B * _safe_div(1.0, s.num_rows * max_len)
+    return s.present_B * safe_div(1.0, s.num_rows * max_len)
 
 
 @_builtin
 def _balanced(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     # 1 / (B G_g Lbar+-_g) written as n+-_g / (B G_g T+-_g): one division, no 0/0.
     bg_P = num_b * s.size_P
-    cpos_P = _safe_div(s.npos_P, bg_P * s.tpos_P)
-    cneg_P = _safe_div(s.nneg_P, bg_P * s.tneg_P)
+    cpos_P = safe_div(s.npos_P, bg_P * s.tpos_P)
+    cneg_P = safe_div(s.nneg_P, bg_P * s.tneg_P)
     return s.pos_B * cpos_P[s.gid_B] + s.neg_B * cneg_P[s.gid_B]
 
 
 @_builtin
 def _balanced_batch(s: _Stats, num_b: jax.Array, max_len: int) -> jax.Array:
     # 1 / (N Lbar+-) with Lbar+- pooled over the batch's positive / negative rows.
-    cpos = _safe_div(s.pos_B.sum(), s.num_rows * (s.len_B * s.pos_B).sum())
-    cneg = _safe_div(s.neg_B.sum(), s.num_rows * (s.len_B * s.neg_B).sum())
+    cpos = safe_div(s.pos_B.sum(), s.num_rows * (s.len_B * s.pos_B).sum())
+    cneg = safe_div(s.neg_B.sum(), s.num_rows * (s.len_B * s.neg_B).sum())
     return s.pos_B * cpos + s.neg_B * cneg
 
 
@@ -269,13 +269,13 @@ def _diagnostics(
     num_mixed = mixed_P.sum()
 
     def mean_over_mixed(x_P):
-        return _safe_div((x_P * mixed_P).sum(), num_mixed)
+        return safe_div((x_P * mixed_P).sum(), num_mixed)
 
     def cv(rows_B, count_P, total_P):
         # Population std / mean of L over the rows selected by rows_B, per group.
-        mean_P = _safe_div(total_P, count_P)
-        var_P = _safe_div(seg(rows_B * (s.len_B - mean_P[s.gid_B]) ** 2), count_P)
-        return _safe_div(jnp.sqrt(var_P), mean_P), mean_P
+        mean_P = safe_div(total_P, count_P)
+        var_P = safe_div(seg(rows_B * (s.len_B - mean_P[s.gid_B]) ** 2), count_P)
+        return safe_div(jnp.sqrt(var_P), mean_P), mean_P
 
     cv_P, mean_len_P = cv(s.present_B, s.size_P, s.tall_P)
     cv_pos_P, mean_pos_P = cv(s.pos_B, s.npos_P, s.tpos_P)
@@ -295,16 +295,16 @@ def _diagnostics(
         "length_cv": mean_over_mixed(cv_P),
         "length_cv_pos": mean_over_mixed(cv_pos_P),
         "length_cv_neg": mean_over_mixed(cv_neg_P),
-        "length_gap": mean_over_mixed(_safe_div(mean_neg_P, mean_pos_P)),
-        "pos_weight_share": mean_over_mixed(_safe_div(seg(w_B * s.pos_B), seg(w_B * s.present_B))),
+        "length_gap": mean_over_mixed(safe_div(mean_neg_P, mean_pos_P)),
+        "pos_weight_share": mean_over_mixed(safe_div(seg(w_B * s.pos_B), seg(w_B * s.present_B))),
         "signed_mass": mean_over_mixed(mass_P),
         "signed_mass_token": mean_over_mixed(mass_token_P),
         # Scale-free versions: sum W A / sum W |A|, in [-1, 1].
         "signed_mass_rel": mean_over_mixed(
-            _safe_div(mass_P, seg(w_B * jnp.abs(adv_B) * s.present_B))
+            safe_div(mass_P, seg(w_B * jnp.abs(adv_B) * s.present_B))
         ),
         "signed_mass_token_rel": mean_over_mixed(
-            _safe_div(mass_token_P, seg(w_token_B * jnp.abs(adv_B) * s.present_B))
+            safe_div(mass_token_P, seg(w_token_B * jnp.abs(adv_B) * s.present_B))
         ),
     }
 

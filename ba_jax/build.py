@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -144,18 +143,11 @@ def validate(cfg: Any, num_devices: int) -> None:
 
 def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:
     """The config's mesh with one -1 resolved to the remaining devices."""
-    shape = {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor")}
-    free = [a for a, n in shape.items() if n == -1]
-    _check(len(free) <= 1, f"config.mesh: at most one axis may be -1, got {shape}")
-    fixed = int(np.prod([n for n in shape.values() if n != -1]))
-    _check(fixed >= 1 and num_devices % fixed == 0,
-           f"config.mesh {shape} does not fit {num_devices} devices")
-    if free:
-        shape[free[0]] = num_devices // fixed
-    _check(int(np.prod(list(shape.values()))) == num_devices,
-           f"config.mesh {shape} uses {int(np.prod(list(shape.values())))} devices but "
-           f"{num_devices} are present")
-    return shape
+    try:
+        return sharding.resolve_mesh_shape({a: cfg.mesh[a] for a in sharding.MESH_AXES},
+                                           num_devices, exact=True)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from e
 
 
 def make_mesh(cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:

@@ -17,13 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ba_jax.aggregation import safe_div
+
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "batch_std")
 KL_KINDS = ("k1", "k2", "k3")
-
-
-def _safe_div(a: jax.Array, b: jax.Array) -> jax.Array:
-    ok = b > 0
-    return jnp.where(ok, a / jnp.where(ok, b, 1.0), 0.0)
 
 
 def group_advantages(
@@ -52,21 +49,21 @@ def group_advantages(
     v_B = valid_B.astype(jnp.float32)
     seg = lambda x_B: jax.ops.segment_sum(x_B, gid_B, num_segments=num_groups)  # noqa: E731
     n_P = seg(v_B)
-    mean_P = _safe_div(seg(r_B), n_P)
+    mean_P = safe_div(seg(r_B), n_P)
     centred_B = r_B - mean_P[gid_B]
     # All-equal groups: force exact zeros (a float mean can miss R by one ulp).
     hi_P = jax.ops.segment_max(jnp.where(valid_B, r_B, -jnp.inf), gid_B, num_segments=num_groups)
     lo_P = jax.ops.segment_min(jnp.where(valid_B, r_B, jnp.inf), gid_B, num_segments=num_groups)
     live_B = valid_B & (n_P[gid_B] > 1) & (hi_P[gid_B] > lo_P[gid_B])
     if estimator == "grpo":
-        std_P = jnp.sqrt(_safe_div(seg(v_B * centred_B**2), n_P - 1))
+        std_P = jnp.sqrt(safe_div(seg(v_B * centred_B**2), n_P - 1))
         adv_B = centred_B / (std_P[gid_B] + eps)
     elif estimator == "drgrpo":
         adv_B = centred_B
     else:
         n = v_B.sum()
-        batch_mean = _safe_div(r_B.sum(), n)
-        batch_std = jnp.sqrt(_safe_div((v_B * (r_B - batch_mean) ** 2).sum(), n - 1))
+        batch_mean = safe_div(r_B.sum(), n)
+        batch_std = jnp.sqrt(safe_div((v_B * (r_B - batch_mean) ** 2).sum(), n - 1))
         adv_B = centred_B / (batch_std + eps)
     return jnp.where(live_B, adv_B, 0.0)
 

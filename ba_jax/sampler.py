@@ -6,15 +6,15 @@ Lives here: the sampling math (greedy, temperature, top-k, top-p, an inverse-CDF
 
 How one call runs (all inside one jitted function, compiled once per bucket):
   1. Prompts are left-padded to a bucket length Tp (a power of two >= 16, then multiples
-     of 512), so only a few shapes compile; `max_new_tokens` (M) is static too.
+     of 512), so only a few shapes compile; `max_new_tokens` (R) is static too.
   2. Prefill runs on the P prompts only (not P*G): one forward over the prompts returns
      their [L, P, Tp, K, H] keys/values and the last position's logits only.
   3. The G rows of a prompt share its prefill: each decode step attends, in one softmax, to
      the prompt's keys (read once for its G rows, never copied G times) and to the row's own
-     [L, P*G, M, K, H] slots (`Qwen.decode_step`, `attention.decode_attention`); the first
+     [L, P*G, R, K, H] slots (`Qwen.decode_step`, `attention.decode_attention`); the first
      token's logits are the prompt's, repeated G times.
   4. `lax.while_loop` runs one single-token `decode_step` per step until every row has
-     emitted an EOS id or M tokens exist; the new keys/values of all layers are written into
+     emitted an EOS id or R tokens exist; the new keys/values of all layers are written into
      the loop-carried cache with one in-place update. Finished rows keep computing (fixed
      shapes) but their outputs are replaced by `pad_id` and masked.
 Decode layout with a mesh: rows (P*G) are split over the mesh's `data` and `fsdp` axes;
@@ -175,31 +175,31 @@ def sample_logits(
 
 @struct.dataclass
 class SamplingState:
-    """Carry of the decode `lax.while_loop`; B = P*G rows, M = max_new_tokens."""
+    """Carry of the decode `lax.while_loop`; B = P*G rows, R = max_new_tokens."""
 
     step: jax.Array  # int32 []: tokens 0..step-1 are written; `step` is sampled next
-    tokens_BM: jax.Array  # int32 [B, M]: sampled tokens, pad_id once a row has finished
-    logp_BM: jax.Array  # float32 [B, M]: log_softmax(logits)[token] at temperature 1 (0 if masked)
-    sampling_logp_BM: jax.Array  # float32 [B, M]: log-prob under the sampling distribution
-    mask_BM: jax.Array  # bool [B, M]: token was generated before the row finished (EOS included)
+    tokens_BR: jax.Array  # int32 [B, R]: sampled tokens, pad_id once a row has finished
+    logp_BR: jax.Array  # float32 [B, R]: log_softmax(logits)[token] at temperature 1 (0 if masked)
+    sampling_logp_BR: jax.Array  # float32 [B, R]: log-prob under the sampling distribution
+    mask_BR: jax.Array  # bool [B, R]: token was generated before the row finished (EOS included)
     done_B: jax.Array  # bool [B]: row has emitted an EOS id
-    cache: Any  # the rows' own KVCache, [L, B, M, K, H]: slot t holds token t
+    cache: Any  # the rows' own KVCache, [L, B, R, K, H]: slot t holds token t
 
 
 def _write(st: SamplingState, token_B, logp_B, slogp_B, eos_E, pad_id) -> SamplingState:
     """Records the token sampled at `st.step` (pad for finished rows) and advances."""
     live_B = ~st.done_B
 
-    def put(x_BM, v_B):
-        return lax.dynamic_update_slice(x_BM, v_B[:, None].astype(x_BM.dtype), (0, st.step))
+    def put(x_BR, v_B):
+        return lax.dynamic_update_slice(x_BR, v_B[:, None].astype(x_BR.dtype), (0, st.step))
 
     is_eos_B = jnp.any(token_B[:, None] == eos_E[None, :], -1)
     return st.replace(
         step=st.step + 1,
-        tokens_BM=put(st.tokens_BM, jnp.where(live_B, token_B, pad_id)),
-        logp_BM=put(st.logp_BM, jnp.where(live_B, logp_B, 0.0)),
-        sampling_logp_BM=put(st.sampling_logp_BM, jnp.where(live_B, slogp_B, 0.0)),
-        mask_BM=put(st.mask_BM, live_B),
+        tokens_BR=put(st.tokens_BR, jnp.where(live_B, token_B, pad_id)),
+        logp_BR=put(st.logp_BR, jnp.where(live_B, logp_B, 0.0)),
+        sampling_logp_BR=put(st.sampling_logp_BR, jnp.where(live_B, slogp_B, 0.0)),
+        mask_BR=put(st.mask_BR, live_B),
         done_B=st.done_B | (live_B & is_eos_B),
     )
 
@@ -229,11 +229,11 @@ def rollout_arrays(
     pad_id: jax.Array | int,
     mesh: Mesh | None = None,
 ) -> dict[str, jax.Array]:
-    """Traceable body of `generate` on left-padded prompts -> dict of [P*G, M] arrays.
+    """Traceable body of `generate` on left-padded prompts -> dict of [P*G, R] arrays.
 
     `eos_E` (int32 [E]) and `pad_id` may be traced, so changing them does not recompile.
     """
-    (P, Tp), G, M = prompt_PT.shape, num_samples, max_new_tokens
+    (P, Tp), G, R = prompt_PT.shape, num_samples, max_new_tokens
     B = P * G
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
     positions_PT = jnp.maximum(jnp.cumsum(pmask_PT, 1) - 1, 0)
@@ -242,38 +242,38 @@ def rollout_arrays(
                                      logits_slice=slice(Tp - 1, None), return_kv=True)
     prompt_cache = jax.tree.map(lambda c: _rows_constraint(c, 1, mesh), prompt_cache)
     cache = jax.tree.map(lambda c: _rows_constraint(c, 1, mesh),
-                         qwen.init_cache(model.config, B, M, model.dtype))
+                         qwen.init_cache(model.config, B, R, model.dtype))
     len_B = jnp.repeat(jnp.sum(pmask_PT, 1), G)
     logits_BV = _rows_constraint(jnp.repeat(logits_P1V[:, 0], G, axis=0), 0, mesh)
     rows = lambda x: _rows_constraint(x, 0, mesh)  # noqa: E731
     st = SamplingState(
         step=jnp.int32(0),
-        tokens_BM=rows(jnp.full((B, M), pad_id, jnp.int32)),
-        logp_BM=rows(jnp.zeros((B, M), jnp.float32)),
-        sampling_logp_BM=rows(jnp.zeros((B, M), jnp.float32)),
-        mask_BM=rows(jnp.zeros((B, M), bool)),
+        tokens_BR=rows(jnp.full((B, R), pad_id, jnp.int32)),
+        logp_BR=rows(jnp.zeros((B, R), jnp.float32)),
+        sampling_logp_BR=rows(jnp.zeros((B, R), jnp.float32)),
+        mask_BR=rows(jnp.zeros((B, R), bool)),
         done_B=rows(jnp.zeros((B,), bool)),
         cache=cache,
     )
     st = _write(st, *sample_logits(logits_BV, jax.random.fold_in(key, 0), config), eos_E, pad_id)
 
     def cond(st: SamplingState) -> jax.Array:
-        return (st.step < M) & ~jnp.all(st.done_B)
+        return (st.step < R) & ~jnp.all(st.done_B)
 
     def body(st: SamplingState) -> SamplingState:
         t = st.step  # decode token t-1 (its own slot t-1), then sample token t
-        token_B = lax.dynamic_index_in_dim(st.tokens_BM, t - 1, axis=1, keepdims=False)
+        token_B = lax.dynamic_index_in_dim(st.tokens_BR, t - 1, axis=1, keepdims=False)
         # slots 0..t-2 hold the earlier tokens; token t-1 attends to itself inside the step
-        filled_BM = jnp.broadcast_to(jnp.arange(M)[None] < t - 1, (B, M))
+        filled_BR = jnp.broadcast_to(jnp.arange(R)[None] < t - 1, (B, R))
         logits_BV, k_LBKH, v_LBKH = model.decode_step(
-            token_B, len_B + t - 1, st.cache, filled_BM, prefix=(prompt_cache, pmask_PT))
+            token_B, len_B + t - 1, st.cache, filled_BR, prefix=(prompt_cache, pmask_PT))
         sample = sample_logits(logits_BV, jax.random.fold_in(key, t), config)
         return _write(st.replace(cache=st.cache.write(k_LBKH, v_LBKH, t - 1)), *sample, eos_E,
                       pad_id)
 
     st = lax.while_loop(cond, body, st)
-    return dict(tokens=st.tokens_BM, logprobs=st.logp_BM, sampling_logprobs=st.sampling_logp_BM,
-                mask=st.mask_BM, done=st.done_B)
+    return dict(tokens=st.tokens_BR, logprobs=st.logp_BR, sampling_logprobs=st.sampling_logp_BR,
+                mask=st.mask_BR, done=st.done_B)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -283,10 +283,10 @@ def rollout_arrays(
 class Rollout:
     """P*G sampled responses on the host; rows of one prompt are contiguous."""
 
-    tokens: np.ndarray  # int32 [P*G, M]: generated ids, pad_id after the EOS
-    logprobs: np.ndarray  # float32 [P*G, M]: log_softmax(logits)[token], temperature 1, 0 if masked
-    sampling_logprobs: np.ndarray  # float32 [P*G, M]: same, under the sampling distribution
-    mask: np.ndarray  # int32 [P*G, M]: 1 on generated tokens up to and including the EOS
+    tokens: np.ndarray  # int32 [P*G, R]: generated ids, pad_id after the EOS
+    logprobs: np.ndarray  # float32 [P*G, R]: log_softmax(logits)[token], temperature 1, 0 if masked
+    sampling_logprobs: np.ndarray  # float32 [P*G, R]: same, under the sampling distribution
+    mask: np.ndarray  # int32 [P*G, R]: 1 on generated tokens up to and including the EOS
     lengths: np.ndarray  # int32 [P*G]: number of generated tokens (mask.sum(1))
     group_ids: np.ndarray  # int32 [P*G]: prompt index of each row
     finish_reason: np.ndarray  # object [P*G]: "eos" or "length"
@@ -315,18 +315,18 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int, pad_id: int):
 _JITTED: dict[tuple, Callable] = {}
 
 
-def _jitted(graphdef, P, Tp, G, M, config, mesh) -> Callable:
+def _jitted(graphdef, P, Tp, G, R, config, mesh) -> Callable:
     """One jitted rollout per (model structure, bucket, settings), built once and reused."""
-    k = (graphdef, P, Tp, G, M, config, mesh)
+    k = (graphdef, P, Tp, G, R, config, mesh)
     if k not in _JITTED:
         def run(state, prompt_PT, prompt_mask_PT, key, eos_E, pad_id):
-            TRACE_COUNTS[(P, Tp, G, M)] += 1  # runs at trace time only
+            TRACE_COUNTS[(P, Tp, G, R)] += 1  # runs at trace time only
             model = nnx.merge(graphdef, state)
             # the mesh in context at trace time, for the kernel seam's shard_map
             with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
                   else contextlib.nullcontext()):
                 return rollout_arrays(model, prompt_PT, prompt_mask_PT, key, num_samples=G,
-                                      max_new_tokens=M, config=config, eos_E=eos_E,
+                                      max_new_tokens=R, config=config, eos_E=eos_E,
                                       pad_id=pad_id, mesh=mesh)
 
         _JITTED[k] = jax.jit(run)
@@ -359,20 +359,20 @@ def generate(
         raise ValueError("eos_ids must name at least one token id")
     pad = eos[0] if pad_id is None else int(pad_id)
     config = SamplingConfig(float(temperature), int(top_k), float(top_p))
-    P, G, M = len(prompts), int(num_samples), int(max_new_tokens)
+    P, G, R = len(prompts), int(num_samples), int(max_new_tokens)
     Tp = prompt_bucket(max(len(p) for p in prompts))
     prompt_PT, pmask_PT = left_pad(prompts, Tp, pad)
     graphdef, state = nnx.split(model)
-    run = _jitted(graphdef, P, Tp, G, M, config, mesh)
+    run = _jitted(graphdef, P, Tp, G, R, config, mesh)
     out = run(state, prompt_PT, pmask_PT, key, np.asarray(eos, np.int32), np.int32(pad))
     out = jax.device_get(out)
-    mask_BM = np.asarray(out["mask"], np.int32)
+    mask_BR = np.asarray(out["mask"], np.int32)
     return Rollout(
         tokens=np.asarray(out["tokens"], np.int32),
         logprobs=np.asarray(out["logprobs"], np.float32),
         sampling_logprobs=np.asarray(out["sampling_logprobs"], np.float32),
-        mask=mask_BM,
-        lengths=mask_BM.sum(1).astype(np.int32),
+        mask=mask_BR,
+        lengths=mask_BR.sum(1).astype(np.int32),
         group_ids=np.repeat(np.arange(P, dtype=np.int32), G),
         finish_reason=np.where(np.asarray(out["done"]), "eos", "length").astype(object),
         prompt_tokens=np.repeat(prompt_PT, G, axis=0),

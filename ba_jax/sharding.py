@@ -57,25 +57,40 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def make_mesh(shape: Mapping[str, int] | Sequence[int], devices=None) -> Mesh:
-    """Mesh over (`data`, `fsdp`, `tensor`); a dict may omit axes (size 1), one size may be -1."""
+def resolve_mesh_shape(shape: Mapping[str, int] | Sequence[int], num_devices: int, *,
+                       exact: bool = False) -> dict[str, int]:
+    """Axis sizes of a (`data`, `fsdp`, `tensor`) mesh, with at most one -1 resolved to the
+    devices left over; a dict may omit axes (size 1). `exact`: the mesh must use all
+    `num_devices` (else at most that many). ValueError naming the problem otherwise."""
     if isinstance(shape, Mapping):
         unknown = set(shape) - set(MESH_AXES)
         if unknown:
             raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
-        sizes = [shape.get(a, 1) for a in MESH_AXES]
+        sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
     else:
-        sizes = list(shape)
-        if len(sizes) != len(MESH_AXES):
+        if len(shape) != len(MESH_AXES):
             raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries {MESH_AXES}")
+        sizes = dict(zip(MESH_AXES, map(int, shape)))
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1:
+        raise ValueError(f"at most one axis may be -1, got {sizes}")
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if fixed < 1 or any(n < -1 or n == 0 for n in sizes.values()) or (
+            free and num_devices % fixed):
+        raise ValueError(f"{sizes} does not fit {num_devices} devices")
+    if free:
+        sizes[free[0]] = num_devices // fixed
+    n = math.prod(sizes.values())
+    if n > num_devices or (exact and n != num_devices):
+        raise ValueError(f"{sizes} uses {n} devices but {num_devices} are present")
+    return sizes
+
+
+def make_mesh(shape: Mapping[str, int] | Sequence[int], devices=None) -> Mesh:
+    """Mesh over (`data`, `fsdp`, `tensor`) on the first devices it needs (`resolve_mesh_shape`)."""
     devices = list(jax.devices() if devices is None else devices)
-    if sizes.count(-1) == 1:
-        sizes[sizes.index(-1)] = len(devices) // -math.prod(sizes)
-    n = math.prod(sizes)
-    if n < 1 or n > len(devices):
-        raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} needs {n} devices, have {len(devices)}")
-    return Mesh(np.array(devices[:n]).reshape(sizes), MESH_AXES)
+    sizes = list(resolve_mesh_shape(shape, len(devices)).values())
+    return Mesh(np.array(devices[:math.prod(sizes)]).reshape(sizes), MESH_AXES)
 
 
 def logical_axes(path: str) -> tuple[str, ...]:

@@ -55,8 +55,16 @@ def test_make_mesh_shapes():
         "data": 2, "fsdp": 2, "tensor": 2}
     assert dict(sharding.make_mesh({"tensor": 2}).shape) == {"data": 1, "fsdp": 1, "tensor": 2}
     assert dict(sharding.make_mesh((1, -1, 2)).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
-    with pytest.raises(ValueError, match="needs 16 devices"):
+    with pytest.raises(ValueError, match="uses 16 devices but 8 are present"):
         sharding.make_mesh({"data": 16})
+    # the one resolver: config meshes must use every device, -1 takes what is left
+    assert sharding.resolve_mesh_shape({"data": -1, "tensor": 2}, 8, exact=True) == {
+        "data": 4, "fsdp": 1, "tensor": 2}
+    for shape, message in [({"data": 2}, "uses 2 devices but 8"),
+                           ({"data": -1, "fsdp": -1}, "at most one axis"),
+                           ({"data": -1, "fsdp": 3}, "does not fit 8 devices")]:
+        with pytest.raises(ValueError, match=message):
+            sharding.resolve_mesh_shape(shape, 8, exact=True)
     with pytest.raises(ValueError, match="unknown mesh axes"):
         sharding.make_mesh({"model": 2})
 
