@@ -6,10 +6,11 @@ LiveCodeBench test-case parsing. Not here: prompt templates, sampling, scoring a
 (`evaluate.py`), answer checking (`rewards/`).
 
 Files are read through Hugging Face `datasets` with `HF_DATASETS_OFFLINE=1`: nothing is
-fetched. Column names match case-insensitively, so the capitalised mirrors of the AIME sets
-(`Problem`, `Answer`) read too. Every row not kept is counted in `Benchmark.stats` under one
-reason, so `rows_read == kept + sum(skip counts)`. The expected columns per benchmark are
-documented in docs/evaluation.md.
+fetched, and its progress bars stay off (`data.load_local_dataset`). Column names match
+case-insensitively, so the capitalised mirrors of the AIME sets (`Problem`, `Answer`) read
+too. Every row not kept is counted in `Benchmark.stats` under one reason, so
+`rows_read == kept + sum(skip counts)`. The expected columns per benchmark are documented
+in docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -89,13 +90,13 @@ def find_benchmark_file(bench_dir: str, name: str) -> str:
 
 
 def _read_table(path: str):
-    import datasets
+    from ba_jax.data import load_local_dataset
 
     if os.path.getsize(path) == 0:
         raise ValueError(f"benchmark file is empty: {path}")
     builder = "parquet" if path.endswith(".parquet") else "json"
     try:
-        return datasets.load_dataset(builder, data_files=path, split="train")
+        return load_local_dataset(builder, path)
     except Exception as e:  # noqa: BLE001  datasets raises many types; name the file
         raise ValueError(f"could not read benchmark file {path}: {e}") from e
 

@@ -6,16 +6,20 @@ resumable shuffling of prompt indices). Not here: answer checking (`rewards/math
 the evaluation benchmarks (`evaluate.py`), padding prompts to bucket lengths (`sampler.py`).
 
 Nothing is fetched: files are read through Hugging Face `datasets` with
-`HF_DATASETS_OFFLINE=1`. Every row that is not kept is counted in `PromptDataset.stats`
-under one reason, so `rows_read == kept + sum(drop counts)`.
+`HF_DATASETS_OFFLINE=1` and its progress bars off (`load_local_dataset`, shared with the
+benchmark reader). Every row that is not kept is counted in `PromptDataset.stats` under one
+reason, so `rows_read == kept + sum(drop counts)`; kept prompts whose answer was a float
+are counted too (`FLOAT_ANSWER_COUNTS`, see `_answer_text`), and the trainer prints it all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -45,6 +49,9 @@ _NO_ANSWER_RE = re.compile(r"\b(?:proofs?|prove[sdn]?|q\.?e\.?d)\b|\\blacksquare
 _DIFFICULTY_RE = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
 _DAPO_INSTRUCTION_RE = re.compile(r"Answer\s*:", re.I)
 _TOKENIZE_CHUNK = 1024
+# Stats keys that are not drop reasons: kept prompts whose answer column held a float.
+FLOAT_ANSWER_COUNTS = ("float_answers_integral", "float_answers_fractional")
+_DATASETS_SWITCHES = threading.Lock()  # datasets' progress-bar and log switches are global
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +97,7 @@ class PromptDataset:
     ground_truths: list[str]  # reference answers, as strings
     reward_rule: str  # "dapo" or "boxed"
     # rows_read, kept, and the drop reasons: duplicates_dropped, too_long, no_answer,
-    # malformed, empty_prompt.
+    # malformed, empty_prompt; then FLOAT_ANSWER_COUNTS (of the kept prompts; not drops).
     stats: dict[str, int]
 
     def __len__(self) -> int:
@@ -105,16 +112,45 @@ class _Skip(Exception):
         self.reason = reason
 
 
-def _answer_text(value: Any) -> str:
-    """A ground truth as a stripped string; numbers are accepted and written out."""
+def _answer_text(value: Any) -> tuple[str, str | None]:
+    """A ground truth as a stripped string, and the stats key counting a float conversion.
+
+    Integers are written out. A float (a parquet or pandas answer column of floats holds
+    5.0 for the answer 5) is written in positional notation with the fewest digits that
+    read back as the same number: 5.0 -> "5" (counted under `float_answers_integral`),
+    2.5 -> "2.5", 1e-05 -> "0.00001" (`float_answers_fractional`). A value that is exactly
+    a float32 (a float32 column) gets the fewest digits at float32 precision, so 0.1 stored
+    as float32 gives "0.1", not "0.10000000149011612". NaN is a missing answer (pandas
+    writes missing values as NaN); an infinity is malformed.
+    """
     if value is None:
         raise _Skip("no_answer")
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if isinstance(value, (bool, np.bool_)):
         raise _Skip("malformed")
-    text = str(value).strip()
+    if isinstance(value, (float, np.floating)):
+        return _float_text(float(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value)), None
+    if not isinstance(value, str):
+        raise _Skip("malformed")
+    text = value.strip()
     if not text:
         raise _Skip("no_answer")
-    return text
+    return text, None
+
+
+def _float_text(x: float) -> tuple[str, str]:
+    if x != x:
+        raise _Skip("no_answer")
+    if x in (float("inf"), float("-inf")):
+        raise _Skip("malformed")
+    x += 0.0  # -0.0 -> 0.0
+    with np.errstate(over="ignore"):
+        single = np.float32(x)
+    # Compared as float64: numpy would compare a float32 with a Python float at float32.
+    value = single if float(single) == x else np.float64(x)
+    text = np.format_float_positional(value, unique=True, trim="-")
+    return text, FLOAT_ANSWER_COUNTS[0] if x.is_integer() else FLOAT_ANSWER_COUNTS[1]
 
 
 def _problem_text(value: Any) -> str:
@@ -125,8 +161,9 @@ def _problem_text(value: Any) -> str:
     return value
 
 
-def _dapo_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]], str]:
-    """Messages and ground truth of a DAPO-Math-17k row, in either published shape."""
+def _dapo_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]], str, str | None]:
+    """Messages, ground truth and its float-conversion key of a DAPO-Math-17k row, in
+    either published shape."""
     prompt = row.get("prompt")
     if isinstance(prompt, str):  # processed shape: the bare problem
         text = _problem_text(prompt)
@@ -147,38 +184,63 @@ def _dapo_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]], s
     else:
         raise _Skip("malformed")
     if "solution" in row:
-        truth = _answer_text(row["solution"])
+        truth, converted = _answer_text(row["solution"])
     else:
         reward_model = row.get("reward_model")
         if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
             raise _Skip("malformed")
-        truth = _answer_text(reward_model["ground_truth"])
+        truth, converted = _answer_text(reward_model["ground_truth"])
     if suffix:
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
         messages[last_user]["content"] += " " + suffix
-    return messages, truth
+    return messages, truth, converted
 
 
-def _polaris_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]], str]:
-    """Messages and ground truth of a Polaris row; proofs and empty answers are no_answer."""
+def _polaris_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]], str, str | None]:
+    """Messages, ground truth and its float-conversion key of a Polaris row; proofs and
+    empty answers are no_answer."""
     text = _problem_text(row.get("problem"))
     difficulty = row.get("difficulty")
     if difficulty is not None:  # informative only, but a bad value means a broken row
         m = _DIFFICULTY_RE.fullmatch(difficulty) if isinstance(difficulty, str) else None
         if m is None or int(m.group(1)) > int(m.group(2)) or int(m.group(2)) == 0:
             raise _Skip("malformed")
-    truth = _answer_text(row.get("answer"))
+    truth, converted = _answer_text(row.get("answer"))
     if not truth.strip("$ ") or _NO_ANSWER_RE.search(truth):
         raise _Skip("no_answer")
     if suffix:
         text = text + " " + suffix
-    return [{"role": "user", "content": text}], truth
+    return [{"role": "user", "content": text}], truth, converted
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """`datasets` without its "Generating train split" progress bars and info logs: the
+    run's own progress bar and reports are what a user reads. Restored afterwards."""
+    import datasets
+
+    with _DATASETS_SWITCHES:
+        bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            datasets.logging.set_verbosity(verbosity)
+            if bars:
+                datasets.enable_progress_bars()
+
+
+def load_local_dataset(builder: str, path: str, cache_dir: str | None = None):
+    """A local file as a `datasets.Dataset` ("parquet" or "json" builder), read quietly."""
+    import datasets
+
+    with _quiet_datasets():
+        return datasets.load_dataset(builder, data_files=path, split="train", cache_dir=cache_dir)
 
 
 def _read_rows(config: DataConfig):
     """The file as a `datasets.Dataset`, with clear errors for missing or empty files."""
-    import datasets
-
     path = config.path
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
@@ -202,9 +264,7 @@ def _read_rows(config: DataConfig):
     else:
         raise ValueError(f"data file must be .parquet, .jsonl or .json: {path}")
     try:
-        return datasets.load_dataset(
-            builder, data_files=path, split="train", cache_dir=config.cache_dir
-        )
+        return load_local_dataset(builder, path, config.cache_dir)
     except Exception as e:  # noqa: BLE001  datasets raises many types; name the file
         raise ValueError(f"could not read data file {path}: {e}") from e
 
@@ -280,17 +340,17 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
 
     stats = dict.fromkeys(
         ("rows_read", "duplicates_dropped", "too_long", "no_answer", "malformed",
-         "empty_prompt", "kept"),
+         "empty_prompt", "kept") + FLOAT_ANSWER_COUNTS,
         0,
     )  # fmt: skip
     seen: set[str] = set()
-    texts, truths = [], []
+    texts, truths, conversions = [], [], []
     for batch in table.iter(batch_size=4096):
         columns = list(batch)
         for values in zip(*(batch[c] for c in columns)):
             stats["rows_read"] += 1
             try:
-                messages, truth = parse_row(dict(zip(columns, values)), suffix)
+                messages, truth, converted = parse_row(dict(zip(columns, values)), suffix)
             except _Skip as skip:
                 stats[skip.reason] += 1
                 continue
@@ -301,6 +361,7 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
             seen.add(key)
             texts.append(render_prompt(messages, tokenizer, template=config.template, enable_thinking=config.enable_thinking))
             truths.append(truth)
+            conversions.append(converted)
 
     # Chat templates write their own special tokens; a plain prompt gets the tokenizer's
     # usual ones (a BOS for models that expect one).
@@ -309,13 +370,17 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
     for start in range(0, len(texts), _TOKENIZE_CHUNK):
         chunk = texts[start : start + _TOKENIZE_CHUNK]
         ids_chunk = tokenizer(chunk, add_special_tokens=add_special)["input_ids"]
-        for text, ids, truth in zip(chunk, ids_chunk, truths[start : start + _TOKENIZE_CHUNK]):
+        rows = zip(chunk, ids_chunk, truths[start : start + _TOKENIZE_CHUNK],
+                   conversions[start : start + _TOKENIZE_CHUNK])
+        for text, ids, truth, converted in rows:
             if len(ids) > config.max_prompt_tokens:
                 stats["too_long"] += 1
                 continue
             dataset.prompt_ids.append(list(ids))
             dataset.prompts_text.append(text)
             dataset.ground_truths.append(truth)
+            if converted is not None:
+                stats[converted] += 1
     stats["kept"] = len(dataset.prompt_ids)
     log.info("loaded %s (%s, reward %s): %s", config.path, fmt, reward_rule, stats)
     if not dataset.prompt_ids:

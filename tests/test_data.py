@@ -12,11 +12,13 @@ import pytest
 from ba_jax.data import (
     DAPO_PREFIX,
     DAPO_SUFFIX,
+    FLOAT_ANSWER_COUNTS,
     POLARIS_SUFFIX,
     DataConfig,
     PromptIterator,
     load_prompts,
 )
+from ba_jax.rewards.math import dapo_reward
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DAPO_CHAT = os.path.join(FIXTURES, "dapo17k_chat.parquet")
@@ -73,9 +75,10 @@ def _stats(**counts) -> dict:
     base = dict.fromkeys(
         ("duplicates_dropped", "too_long", "no_answer", "malformed", "empty_prompt"), 0
     )
+    floats = {k: counts.pop(k, 0) for k in FLOAT_ANSWER_COUNTS}  # not drop reasons
     base.update(counts)
     base["rows_read"] = sum(base.values())
-    return base
+    return base | floats
 
 
 def test_dapo_chat_shape(word_tokenizer, cache_dir):
@@ -158,6 +161,75 @@ def test_polaris_chat_template(qwen_tokenizer, cache_dir):
     data = load_prompts(DataConfig(POLARIS, cache_dir=cache_dir), qwen_tokenizer)
     expected = "<|im_start|>user\nWhat is 1/2 + 1/4 ? " + POLARIS_SUFFIX + "<|im_end|>\n"
     assert data.prompts_text[0] == expected + "<|im_start|>assistant\n"
+
+
+def test_float_answer_column_in_parquet(word_tokenizer, tmp_path, cache_dir):
+    """A float answer column (5.0 for 5) must give "5", or every right answer scores -1."""
+    path = tmp_path / "floats.parquet"
+    problems = [f"What is {i} ?" for i in range(7)]
+    answers = [5.0, 2.5, 1e-05, -3.0, None, float("nan"), float("inf")]
+    pq.write_table(pa.table({"prompt": problems, "solution": pa.array(answers, pa.float64())}),
+                   path)
+    data = load_prompts(DataConfig(str(path), template="plain", cache_dir=cache_dir),
+                        word_tokenizer)
+    assert data.ground_truths == ["5", "2.5", "0.00001", "-3"]
+    assert data.stats == _stats(kept=4, no_answer=2, malformed=1, float_answers_integral=2,
+                                float_answers_fractional=2)
+    for truth, written in zip(data.ground_truths, ["5", "2.5", "0.00001", "-3"]):
+        assert dapo_reward(f"So the result is\nAnswer: {written}", truth) == 1.0
+    assert dapo_reward("Answer: 5.0", data.ground_truths[0]) == -1.0  # the exact rule stays
+
+
+def test_float_answers_from_pandas_and_float32(word_tokenizer, tmp_path, cache_dir):
+    import pandas as pd
+
+    path = tmp_path / "pandas.parquet"
+    frame = pd.DataFrame({"problem": ["What is 1 ?", "What is 2 ?", "What is 3 ?"],
+                          "answer": [7.0, float("nan"), 12.0]})  # NaN: pandas' missing value
+    frame.to_parquet(path)
+    data = load_prompts(DataConfig(str(path), template="plain", cache_dir=cache_dir),
+                        word_tokenizer)
+    assert data.ground_truths == ["7", "12"]
+    assert (data.stats["no_answer"], data.stats["float_answers_integral"]) == (1, 2)
+
+    single = tmp_path / "float32.parquet"
+    pq.write_table(pa.table({"problem": ["What is 1 ?", "What is 2 ?"],
+                             "answer": pa.array([0.1, 16777216.0], pa.float32())}), single)
+    data = load_prompts(DataConfig(str(single), template="plain", cache_dir=cache_dir),
+                        word_tokenizer)
+    assert data.ground_truths == ["0.1", "16777216"]  # float32 digits, not 0.10000000149...
+
+
+def test_float_answer_in_jsonl(word_tokenizer, tmp_path, cache_dir):
+    path = tmp_path / "floats.jsonl"
+    rows = [{"prompt": "What is 2 + 3 ?", "solution": 5.0},
+            {"prompt": "What is 1 / 4 ?", "solution": 0.25},
+            {"prompt": "What is 4 + 4 ?", "solution": 8}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_prompts(DataConfig(str(path), template="plain", cache_dir=cache_dir),
+                        word_tokenizer)
+    assert data.ground_truths == ["5", "0.25", "8"]  # the JSON reader made the column double
+    assert data.stats == _stats(kept=3, float_answers_integral=2, float_answers_fractional=1)
+    assert [dapo_reward(f"Answer: {a}", t) for a, t in zip(["5", "0.25", "8"],
+                                                           data.ground_truths)] == [1.0] * 3
+
+
+def test_loading_prints_no_progress_bars(word_tokenizer, tmp_path, capfd, monkeypatch):
+    """`datasets` draws "Generating train split" bars on a first read; none may show."""
+    import datasets
+
+    from ba_jax import benchmarks_data
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    load_prompts(DataConfig(POLARIS, template="plain", cache_dir=str(tmp_path / "c")),
+                 word_tokenizer)
+    bench = os.path.join(FIXTURES, "bench")
+    benchmarks_data.load_benchmark("aime24", os.path.join(bench, "aime24.jsonl"))
+    benchmarks_data.load_benchmark("aime25", os.path.join(bench, "aime25.parquet"))
+    out, err = capfd.readouterr()
+    assert "Generating" not in out + err and "examples/s" not in out + err, out + err
+    assert os.listdir(tmp_path / "c") and os.listdir(tmp_path / "hf_cache")  # freshly generated
+    assert datasets.is_progress_bar_enabled()  # the switch is restored for other users
 
 
 def test_chat_template_required(word_tokenizer, cache_dir):
