@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as PS
 
 from ba_jax import aggregation, build, checkpoint, data, distributed, experience, grpo
 from ba_jax import metrics as metrics_lib
+from ba_jax import workdir_lock
 from ba_jax.rewards import math as math_rewards
 from ba_jax.tasks import arithmetic
 
@@ -108,7 +109,14 @@ def make_train_step(cfg, graphdef, state, mesh, num_groups: int):
                            num_microbatches=cfg.grpo.num_microbatches)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     row_sh = NamedSharding(mesh, PS(BATCH_AXES))
-    return jax.jit(fn, in_shardings=(state_sh, row_sh),
+
+    def step(state, batch):
+        # the mesh in context at trace time: the kernel seam shard_maps kernels XLA cannot
+        # partition (splash attention) over it
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(state, batch)
+
+    return jax.jit(step, in_shardings=(state_sh, row_sh),
                    out_shardings=(state_sh, NamedSharding(mesh, PS())), donate_argnums=(0,))
 
 
@@ -266,6 +274,12 @@ def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str
     devices = jax.devices() if devices is None else devices
     build.validate(cfg, len(devices))
     build.check_workdir(workdir)
+    with workdir_lock.hold(workdir):  # one run per workdir; released on return, error or death
+        return _train_and_evaluate(cfg, workdir, devices)
+
+
+def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
+    """The body of `train_and_evaluate`, run while holding the workdir lock."""
     mesh = build.make_mesh(cfg, devices)
     tokenizer = build.load_tokenizer(cfg, workdir)
     prompt_set = build.load_prompt_set(cfg, tokenizer, workdir)

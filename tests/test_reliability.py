@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from ba_jax import build, checkpoint, data, experience, train
+from ba_jax import build, checkpoint, data, experience, train, workdir_lock
 from ba_jax.metrics import read_metrics
 from test_train import REPO, debug_config, params_of
 
@@ -121,6 +121,17 @@ def _data_case(rows=None, raw=None, name="data.jsonl", tokenizer=None, **overrid
     return make
 
 
+_HELD_LOCKS: list[int] = []  # the "workdir in use" case's lock stays held to the end
+
+
+def _workdir_in_use(tmp, tok):
+    """A workdir whose lock another run holds (here: another open file of this process)."""
+    wd = tmp / "run"
+    wd.mkdir()
+    _HELD_LOCKS.append(workdir_lock.acquire(str(wd)))
+    return debug_config(), str(wd)
+
+
 BAD = [
     # (case id, builder, exception type, message pattern)
     ("unknown rule", _cfg_case({"grpo.aggregation": "balancd"}), build.ConfigError, "balanced_batch"),
@@ -174,6 +185,8 @@ BAD = [
      build.ConfigError, "template"),
     ("workdir under a file", lambda tmp, tok: (debug_config(), str(_jsonl(tmp / "f", [])) + "/run"),
      build.ConfigError, "workdir"),
+    ("workdir in use by another run", _workdir_in_use, build.ConfigError,
+     r"--workdir=.* is in use by another run \(pid \d+ on host \S+, started"),
 ]
 
 
