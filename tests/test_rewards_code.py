@@ -1,12 +1,16 @@
 """Tests for ba_jax.rewards.code: extraction, comparison, verdicts and hostile programs.
 
-Hostile programs (loops, fork and memory bombs, floods, escapes, network, signals) must
-each fail within their limits and leave the test process, the file system and other
-processes untouched. Tests needing an isolation feature this machine lacks are skipped
-with the reason (see docs/sandbox.md); as root on Linux all of them run.
+Hostile programs (loops, fork and memory bombs, floods, escapes, network, signals, reads
+of the project and of evaluation data) must each fail within their limits and leave the
+test process, the file system and other processes untouched. Tests needing an isolation
+feature this machine lacks are skipped with the reason (see docs/sandbox.md); as root on
+Linux all of them run.
 """
 
+import glob
 import os
+import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +24,11 @@ from ba_jax.rewards import code
 TIMEOUT_S = 1.0
 # Launch, kill and clean-up time on top of the limit, on a loaded 2-core machine.
 SLACK_S = 3.0
+# A memory bomb must be stopped by its memory limit, so its wall clock is far beyond what
+# the allocation takes anywhere: with TIMEOUT_S the verdict raced the clock (faulting in
+# 256 MiB took over 1 s on a loaded VM, and the run ended as a timeout).
+MEMORY_TIMEOUT_S = 30.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ECHO_DOUBLE = "n = int(input())\nprint(2 * n)\n"
 
 
@@ -144,7 +153,7 @@ def test_large_stdin_and_files_in_working_dir(work_root):
 
 
 def test_what_the_program_sees(iso, work_root):
-    _require(iso, ("drop_user", "pid_namespace", "mount_namespace"))
+    _require(iso, ("drop_user", "pid_namespace", "mount_namespace", "minimal_root"))
     lo, hi = code.UID_BASE, code.UID_BASE + code.NUM_SLOTS
     source = f"""
 import os, tempfile
@@ -155,9 +164,39 @@ assert pids == [1, 2], pids  # the namespace's reaper and the program
 assert os.getcwd() == '/tmp/prog' and os.listdir('/tmp') == ['prog']
 with tempfile.NamedTemporaryFile() as f:
     assert f.name.startswith('/tmp/prog/'), f.name
+# the minimal root: no /sys, /home or /work, /etc holds the loader cache at most
+top = set(os.listdir('/'))
+assert top <= {{'bin', 'dev', 'etc', 'lib', 'lib32', 'lib64', 'libx32', 'opt', 'proc', 'root',
+               'sbin', 'tmp', 'usr'}}, top
+assert set(os.listdir('/etc')) <= {{'ld.so.cache'}}, os.listdir('/etc')
+assert set(os.listdir('/dev')) <= {{'fd', 'full', 'null', 'random', 'stderr', 'stdin',
+                                   'stdout', 'urandom', 'zero'}}, os.listdir('/dev')
+for d in ('/', '/usr', '/etc', '/dev'):
+    try:
+        open(os.path.join(d, 'x'), 'w')
+    except OSError:
+        pass
+    else:
+        raise AssertionError('wrote to ' + d)
 print('ok')
 """
     result = _run(source)
+    assert result.passed, result.detail
+
+
+def test_standard_library_runs_in_the_sandbox(work_root):
+    """The minimal root holds the libraries behind the standard library's C modules."""
+    source = """
+import bz2, ctypes, decimal, fractions, hashlib, heapq, json, lzma, math, sqlite3, ssl, zlib
+import _decimal  # the C implementation, not the pure-Python fallback
+assert str(decimal.Decimal(1) / 8) == '0.125'
+assert hashlib.sha256(b'').hexdigest().startswith('e3b0c442')
+assert zlib.decompress(zlib.compress(b'x')) == lzma.decompress(lzma.compress(b'x')) == b'x'
+assert sqlite3.connect(':memory:').execute('select 6 * 7').fetchone() == (42,)
+assert ctypes.sizeof(ctypes.c_int) == 4
+print(open('/dev/stdin').read().strip(), fractions.Fraction(1, 2))
+"""
+    result = _run(source, [{"input": "ok", "output": "ok 1/2"}])
     assert result.passed, result.detail
 
 
@@ -194,6 +233,20 @@ print('ok')
 """
 
 HOSTILE_MEMORY_MB = 256  # a small address space so memory bombs hit it quickly
+# Prints "ok" only if the file and its folder do not exist: its content, or "visible",
+# otherwise (a PermissionError, the fallback's only protection, is an error).
+READ_HOST_FILE = """
+import os
+path = {path!r}
+try:
+    data = open(path, 'rb').read()
+except FileNotFoundError:
+    print('visible' if os.path.exists(os.path.dirname(path)) else 'ok')
+else:
+    print(data[:300])
+"""
+PROJECT_FILE = os.path.join(REPO, "ba_jax", "rewards", "code.py")
+BENCHMARK_FILE = sorted(glob.glob(os.path.join(REPO, "tests", "fixtures", "bench", "*.jsonl")))[0]
 HOSTILE = {
     # name: (source, allowed statuses, isolation features needed)
     "infinite_loop": ("while True: pass", {"timeout"}, ()),
@@ -212,7 +265,13 @@ HOSTILE = {
     "killpg_own_group": ("import os; os.killpg(os.getpgid(0), 9)", {"error"}, ("drop_user",)),
     "kill_everything": ("import os; os.kill(-1, 9)", {"error"}, ("drop_user",)),
     "background_escape": (ESCAPE_TO_BACKGROUND, {"passed"}, ("pid_namespace",)),
+    # World-readable here: only the minimal root keeps them out of reach (it must "pass").
+    "read_project_file": (READ_HOST_FILE.format(path=PROJECT_FILE), {"passed"},
+                          ("minimal_root",)),
+    "read_benchmark_file": (READ_HOST_FILE.format(path=BENCHMARK_FILE), {"passed"},
+                            ("minimal_root",)),
 }
+HOSTILE_TIMEOUT_S = {"memory_bomb": MEMORY_TIMEOUT_S, "one_huge_alloc": MEMORY_TIMEOUT_S}
 
 
 @pytest.fixture
@@ -235,14 +294,15 @@ def _require(iso: code.Isolation, features) -> None:
 def test_hostile_program_is_contained(name, iso, work_root, bystander):
     source, statuses, needs = HOSTILE[name]
     _require(iso, needs)
+    timeout_s = HOSTILE_TIMEOUT_S.get(name, TIMEOUT_S)
     start = time.monotonic()
-    result = _run(source, memory_mb=HOSTILE_MEMORY_MB)
+    result = _run(source, memory_mb=HOSTILE_MEMORY_MB, timeout_s=timeout_s)
     elapsed = time.monotonic() - start
     assert result.status in statuses, result
     assert result.passed == (result.status == "passed")
-    if name == "background_escape":
-        assert result.passed  # the program itself is fine; its daemon must still die
-    assert elapsed < TIMEOUT_S + SLACK_S and result.wall_s <= elapsed
+    if name == "background_escape" or name.startswith("read_"):
+        assert result.passed, result  # the daemon must still die; the file must not exist
+    assert elapsed < timeout_s + SLACK_S and result.wall_s <= elapsed
     assert _live_sandbox_pids() == []
 
 
@@ -278,3 +338,49 @@ def test_isolation_is_probed_once_and_consistent(iso):
     assert os.path.exists(iso.python)
     if iso.mount_namespace:
         assert iso.pid_namespace and iso.drop_user
+    if iso.minimal_root:
+        assert iso.mount_namespace and os.path.realpath(iso.python) == iso.python
+    elif iso.mount_namespace:  # the fallback is in force: the record must say why
+        assert any("minimal root" in note for note in iso.notes), iso.notes
+
+
+# ----------------------------------------------------------------------- verdicts by cause
+
+_TRACEBACK = b"Traceback (most recent call last):\n  ...\nMemoryError\n"
+
+
+@pytest.mark.parametrize("run,status", [
+    # the memory limit was hit: memory, however the run then ended
+    (code._Run("exit", 1, stderr=_TRACEBACK), "memory"),
+    (code._Run("timeout", stderr=_TRACEBACK), "memory"),  # still dying at the deadline
+    (code._Run("signal", signal.SIGXCPU, 2.0, stderr=_TRACEBACK), "memory"),
+    (code._Run("signal", signal.SIGKILL, 0.1, stderr=b"OSError: Cannot allocate memory"), "memory"),
+    # no sign of it: the clock, the CPU limit or the crash decides
+    (code._Run("timeout", stderr=b"Traceback\nKeyError: 1\n"), "timeout"),
+    (code._Run("signal", signal.SIGKILL, 2.0), "timeout"),
+    (code._Run("signal", signal.SIGSEGV, 0.1), "error"),
+    (code._Run("exit", 1, stderr=b"ValueError\n"), "error"),
+    # a clean exit is judged on its output, and an output flood stays an error
+    (code._Run("exit", 0, stdout=b"ok\n", stderr=_TRACEBACK), "passed"),
+    (code._Run("overflow", stderr=_TRACEBACK), "error"),
+])
+def test_verdict_is_decided_by_cause(run, status):
+    assert code._verdict(run, "ok", timeout_s=1.0)[0] == status
+
+
+class _LateReader(selectors.DefaultSelector):
+    """Never reports the program's stdout or stderr as readable, as when the scoring thread
+    is descheduled past the program's end: only what is left in the pipes is there."""
+
+    def select(self, timeout=None):
+        return [(key, ev) for key, ev in super().select(timeout) if key.data not in ("out", "err")]
+
+
+@pytest.mark.parametrize("source,expected,status", [
+    ("print('ok')", "ok", "passed"),
+    ("import sys; sys.stderr.write('MemoryError\\n'); sys.exit(1)", "ok", "memory"),
+])
+def test_output_left_in_the_pipes_is_read(source, expected, status, work_root, monkeypatch):
+    monkeypatch.setattr(code.selectors, "DefaultSelector", _LateReader)
+    result = _run(source, [{"input": "", "output": expected}], timeout_s=MEMORY_TIMEOUT_S)
+    assert result.status == status, result

@@ -7,13 +7,18 @@ the work happens in child processes. A crash, timeout or limit hit is a failed r
 a status, never an exception; only malformed arguments raise `ValueError`.
 
 Each run (see docs/sandbox.md): a launcher process (root) starts a new session and, where
-the kernel allows, new network, PID and mount namespaces; every existing mount becomes
-read-only, /tmp and the other world-writable dirs are empty, the working directory is a
-fresh size-limited tmpfs at /tmp/prog and /proc is private; the program then runs as a
-per-slot unprivileged uid (60000 + slot, one slot per concurrent run machine-wide, held by
-an flock) with CPU, address-space, process, file-size and open-file limits, under a
-wall-clock timeout that kills the PID namespace, and with at most a few MB of output read. `isolation()` probes once which of these work and logs any that
-do not. Math rewards live in `math.py`.
+the kernel allows, new network, PID and mount namespaces. In the mount namespace the
+program gets a minimal root: a fresh tmpfs holding, bound read-only, only its interpreter,
+the shared libraries it loads and its standard library, plus a few /dev nodes, a private
+/proc and its working directory, a fresh size-limited tmpfs at /tmp/prog; nothing else of
+the host (project tree, evaluation data, home directories) exists there. Where the kernel
+refuses that root, the fallback is the host's tree with every mount read-only and /tmp and
+the other world-writable dirs empty (`Isolation.minimal_root` says which is in force).
+The program then runs as a per-slot unprivileged uid (60000 + slot, one slot per
+concurrent run machine-wide, held by an flock) with CPU, address-space, process, file-size
+and open-file limits, under a wall-clock timeout that kills the PID namespace, and with at
+most a few MB of output read. `isolation()` probes once which of these work and logs any
+that do not. Math rewards live in `math.py`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+
+from ba_jax.rewards import sandbox_root
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +79,68 @@ def say(line):
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                        ctypes.c_char_p]
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 def mount(src, dst, fstype, flags, data=None):
     enc = lambda s: s.encode() if s is not None else None
     if libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)) != 0:
         e = ctypes.get_errno()
         raise OSError(e, "mount %s: %s" % (dst, os.strerror(e)))
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+def check(ret, what):
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, "%s: %s" % (what, os.strerror(e)))
+def make_root(new, plan):
+    # A fresh tmpfs over the (host) working dir becomes the root; it holds only the plan's
+    # read-only binds and symlinks. pivot_root, then detach the old root entirely.
+    os.umask(0o022)
+    mount("tmpfs", new, "tmpfs", NOSUID | NODEV | NOEXEC, "size=1m,mode=0755")
+    for path, kind in plan["binds"]:
+        dst = new + path
+        os.makedirs(dst if kind == "dir" else os.path.dirname(dst), exist_ok=True)
+        if kind != "dir":
+            os.close(os.open(dst, os.O_CREAT | os.O_WRONLY, 0o600))
+        mount(path, dst, None, BIND)
+        mount(None, dst, None, REMOUNT | BIND | RDONLY | NOSUID | (0 if kind == "dev" else NODEV))
+    for path, target in plan["links"]:
+        os.makedirs(os.path.dirname(new + path), exist_ok=True)
+        os.symlink(target, new + path)
+    for path in plan["hide"]:
+        mount("tmpfs", new + path, "tmpfs", RDONLY | NOSUID | NODEV | NOEXEC, "size=4k,mode=0755")
+    for path in ("/proc", "/tmp/prog", "/.old"):
+        os.makedirs(new + path)
+    number = PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError("pivot_root: no syscall number known for " + os.uname().machine)
+    check(libc.syscall(number, new.encode(), (new + "/.old").encode()), "pivot_root")
+    os.chdir("/")
+    check(libc.umount2(b"/.old", 2), "detach old root")  # MNT_DETACH
+    os.rmdir("/.old")
+    mount(None, "/", None, REMOUNT | RDONLY | NOSUID | NODEV | NOEXEC)
+def read_only_host(hide):
+    with open("/proc/self/mountinfo") as f:
+        infos = [line.split() for line in f]
+    for info in infos:
+        point = info[4].encode().decode("unicode_escape")
+        flags = REMOUNT | BIND | RDONLY
+        for opt in info[5].split(","):
+            flags |= {"nosuid": NOSUID, "nodev": NODEV, "noexec": NOEXEC}.get(opt, 0)
+        try:
+            mount(None, point, None, flags)
+        except OSError as e:
+            say("warn read-only remount failed: %s" % e)
+    # /tmp becomes an empty read-only tmpfs holding only the fresh working dir /tmp/prog.
+    mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV | NOEXEC, "size=4k,mode=0755")
+    os.mkdir("/tmp/prog")
+    mount(None, "/tmp", None, REMOUNT | RDONLY | NOSUID | NODEV | NOEXEC)
+    for path in hide:  # other world-writable dirs and host sockets: empty, read-only
+        if os.path.isdir(path) and not os.path.islink(path):
+            try:
+                mount("tmpfs", path, "tmpfs", RDONLY | NOSUID | NODEV | NOEXEC,
+                      "size=4k,mode=0755")
+            except OSError as e:
+                say("warn hiding %s failed: %s" % (path, e))
 try:
     if cfg["flags"] and libc.unshare(cfg["flags"]) != 0:
         e = ctypes.get_errno()
@@ -86,33 +149,15 @@ try:
         with open("solution.py", "rb") as f:
             source = f.read()
         mount(None, "/", None, REC | PRIVATE)
-        with open("/proc/self/mountinfo") as f:
-            infos = [line.split() for line in f]
-        for info in infos:
-            point = info[4].encode().decode("unicode_escape")
-            flags = REMOUNT | BIND | RDONLY
-            for opt in info[5].split(","):
-                flags |= {"nosuid": NOSUID, "nodev": NODEV, "noexec": NOEXEC}.get(opt, 0)
-            try:
-                mount(None, point, None, flags)
-            except OSError as e:
-                say("warn read-only remount failed: %s" % e)
-        # /tmp becomes an empty read-only tmpfs holding only the fresh working dir /tmp/prog.
-        mount("tmpfs", "/tmp", "tmpfs", NOSUID | NODEV | NOEXEC, "size=4k,mode=0755")
-        os.mkdir("/tmp/prog")
-        mount(None, "/tmp", None, REMOUNT | RDONLY | NOSUID | NODEV | NOEXEC)
+        if cfg["root"] is not None:
+            make_root(os.getcwd(), cfg["root"])
+        else:
+            read_only_host(cfg["hide"])
         mount("tmpfs", "/tmp/prog", "tmpfs", NOSUID | NODEV,
               "size=%dm,mode=0700,uid=%d,gid=%d" % (cfg["tmpfs_mb"], cfg["uid"], cfg["gid"]))
         os.chdir("/tmp/prog")
         with open("solution.py", "wb") as f:
             f.write(source)
-        for path in cfg["hide"]:  # other world-writable dirs and host sockets: empty, read-only
-            if os.path.isdir(path) and not os.path.islink(path):
-                try:
-                    mount("tmpfs", path, "tmpfs", RDONLY | NOSUID | NODEV | NOEXEC,
-                          "size=4k,mode=0755")
-                except OSError as e:
-                    say("warn hiding %s failed: %s" % (path, e))
 except BaseException as e:
     say("setup %r" % (e,))
     os._exit(1)
@@ -130,6 +175,8 @@ if reaper == 0:
                 for name, value in cfg["limits"].items():
                     resource.setrlimit(getattr(resource, name), tuple(value))
                 if cfg["uid"] is not None:
+                    for std in (0, 1, 2):  # its own pipes, so /dev/stdin can be opened
+                        os.fchown(std, cfg["uid"], cfg["gid"])
                     os.setgroups([])
                     os.setgid(cfg["gid"])
                     os.setuid(cfg["uid"])
@@ -186,7 +233,11 @@ class Isolation:
     user_namespace: bool  # a user namespace (the non-root fallback)
     net_namespace: bool  # no network at all, not even loopback
     pid_namespace: bool  # private PIDs; the namespace dies with its reaper
-    mount_namespace: bool  # read-only mounts, tmpfs working dir, private /proc
+    mount_namespace: bool  # tmpfs working dir, private /proc, read-only file system
+    # What the mount namespace shows: a fresh root holding only the interpreter, its shared
+    # libraries and standard library (read-only) and the working dir (True), or else the
+    # host's own tree with every mount read-only (False; see docs/sandbox.md).
+    minimal_root: bool = False
     notes: tuple[str, ...] = ()
 
 
@@ -354,6 +405,21 @@ def _kill_run(proc: subprocess.Popen, status: bytes) -> None:
         pass
 
 
+def _drain(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes already in a pipe, without waiting for more."""
+    os.set_blocking(fd, False)
+    data = bytearray()
+    try:
+        while len(data) < limit:
+            chunk = os.read(fd, min(1 << 16, limit - len(data)))
+            if not chunk:
+                break
+            data += chunk
+    except (BlockingIOError, OSError):
+        pass
+    return bytes(data)
+
+
 def _run_once(iso: Isolation, slot: _Slot | None, workdir: str, stdin: bytes,
               timeout_s: float, memory_mb: int) -> _Run:
     """Run solution.py in `workdir` once under every limit `iso` allows."""
@@ -367,6 +433,7 @@ def _run_once(iso: Isolation, slot: _Slot | None, workdir: str, stdin: bytes,
         "status_fd": status_w, "flags": flags, "mount": iso.mount_namespace,
         "uid": slot.uid if iso.drop_user else None, "gid": slot.gid if iso.drop_user else None,
         "tmpfs_mb": WORKDIR_TMPFS_MB, "hide": HIDDEN_DIRS,
+        "root": _ROOT_PLANS[iso.python] if iso.minimal_root else None,
         "argv": [iso.python, "-I", "-S", "-c", _BOOT],
         "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
                 "HOME": "/nonexistent"},
@@ -452,6 +519,14 @@ def _run_once(iso: Isolation, slot: _Slot | None, workdir: str, stdin: bytes,
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers when there is no PID namespace
         except OSError:
             pass
+        if reason != "overflow":
+            # What the program wrote before it ended (or was killed) but the loop had not read
+            # yet, e.g. when this thread was descheduled past the deadline or the grace
+            # period: its last words (a MemoryError, its answer) decide the verdict.
+            out += _drain(proc.stdout.fileno(), MAX_OUTPUT_BYTES + 1 - len(out))
+            err = (err + _drain(proc.stderr.fileno(), _STDERR_TAIL_BYTES))[-_STDERR_TAIL_BYTES:]
+            if len(out) > MAX_OUTPUT_BYTES:
+                reason = "overflow"
     finally:
         sel.close()
         os.close(status_r)
@@ -504,8 +579,12 @@ def _python_candidates() -> list[str]:
     return [p for i, p in enumerate(found) if p and os.path.exists(p) and p not in found[:i]]
 
 
-def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...], str]:
-    """Whether a trivial program runs under `iso`, the launcher's warnings, python version."""
+_ROOT_PLANS: dict[str, dict] = {}  # interpreter -> its minimal root (sandbox_root)
+
+
+def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...], str, str]:
+    """Whether a trivial program runs under `iso`, the launcher's warnings, python version,
+    and why not (an excerpt of the error)."""
     workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_probe_", dir=_WORK_ROOT)
     slot = _acquire_slot(_SLOTS) if iso.drop_user else None
     try:
@@ -516,7 +595,8 @@ def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...], str]:
         run = _run_once(iso, slot, workdir, b"", 10.0, 512)
         ok = run.outcome == "exit" and run.code == 0 and run.stdout.startswith(b"ok ")
         version = run.stdout.split()[1].decode() if ok else ""
-        return ok, run.warnings, version
+        detail = "" if ok else f"{run.outcome} {run.code}: {_excerpt(run.stderr[-200:], 200)}"
+        return ok, run.warnings, version, detail
     finally:
         if slot is not None:
             _sweep_uid(slot.uid)
@@ -533,21 +613,33 @@ def isolation() -> Isolation:
         _SLOTS = _free_slots()
         root = os.geteuid() == 0 and bool(_SLOTS)
         plans = ([dict(drop_user=True, net_namespace=True, pid_namespace=True,
+                       mount_namespace=True, minimal_root=True),
+                  dict(drop_user=True, net_namespace=True, pid_namespace=True,
                        mount_namespace=True),
                   dict(drop_user=True, net_namespace=True, pid_namespace=True),
                   dict(drop_user=True, net_namespace=True), dict(drop_user=True)]
                  if root else
                  [dict(user_namespace=True, net_namespace=True, pid_namespace=True),
                   dict(user_namespace=True, net_namespace=True), {}])
+        rejected = []  # why stronger plans or other interpreters were not taken
         for plan in plans:
-            rejected = []
-            for python in _python_candidates():
+            pythons = _python_candidates()
+            if plan.get("minimal_root"):  # the real binary: no venv path in the new root
+                pythons = list(dict.fromkeys(os.path.realpath(p) for p in pythons))
+            for python in pythons:
                 iso = Isolation(python=python, **{
                     "drop_user": False, "user_namespace": False, "net_namespace": False,
                     "pid_namespace": False, "mount_namespace": False, **plan})
-                ok, warnings, version = _probe(iso)
+                if iso.minimal_root and python not in _ROOT_PLANS:
+                    try:
+                        _ROOT_PLANS[python] = sandbox_root.make_root_plan(python)
+                    except RuntimeError as e:
+                        rejected.append(f"minimal root for {python}: {e}")
+                        continue
+                ok, warnings, version, detail = _probe(iso)
                 if not ok:
-                    rejected.append(f"interpreter {python} does not run in the sandbox")
+                    mode = "with a minimal root" if iso.minimal_root else "in the sandbox"
+                    rejected.append(f"interpreter {python} does not run {mode}: {detail}")
                     continue
                 _ISOLATION = dataclasses.replace(
                     iso, notes=(f"python {version}", *warnings, *rejected))
@@ -570,28 +662,35 @@ def _excerpt(data: bytes | str, limit: int = 300) -> str:
 
 
 def _verdict(run: _Run, expected: str, timeout_s: float) -> tuple[str, str]:
-    """(status, detail) of one test run; status "passed" when it matches."""
-    if run.outcome == "timeout":
-        return "timeout", f"wall clock over {timeout_s:g}s"
+    """(status, detail) of one test run; status "passed" when it matches.
+
+    The cause decides, not the clock: a program that hit its memory limit (the
+    `MemoryError` that RLIMIT_AS raises, or an allocation failure, in its stderr) is
+    `memory` however it then ended: exit, signal, CPU limit, or the wall clock running out
+    while it was still dying (a slow machine). Only a clean exit is judged on its output.
+    """
     if run.outcome == "overflow":
         return "error", f"output over {MAX_OUTPUT_BYTES} bytes"
     if run.outcome == "setup":
         logger.error("code sandbox failed to start a program: %s", _excerpt(run.stderr))
         return "error", "sandbox: " + _excerpt(run.stderr)
+    name = ""
     if run.outcome == "signal":
         name = signal.Signals(run.code).name if run.code in signal.valid_signals() else run.code
+    if (run.outcome != "exit" or run.code != 0) and any(m in run.stderr for m in _MEMORY_MARKERS):
+        how = {"timeout": f"then wall clock over {timeout_s:g}s", "signal": f"killed by {name}"}
+        return "memory", f"{how.get(run.outcome, f'exit {run.code}')}: " + _excerpt(
+            run.stderr[-300:])
+    if run.outcome == "timeout":
+        return "timeout", f"wall clock over {timeout_s:g}s"
+    if run.outcome == "signal":
         if run.code == signal.SIGXCPU or (run.code == signal.SIGKILL
                                           and run.cpu_s >= math.ceil(timeout_s)):
             return "timeout", f"CPU limit ({name})"
-        if any(m in run.stderr for m in _MEMORY_MARKERS):
-            return "memory", f"killed by {name}: {_excerpt(run.stderr[-300:])}"
         return "error", f"killed by {name}" + (
             " (file size limit)" if run.code == signal.SIGXFSZ else "")
     if run.code != 0:
-        tail = _excerpt(run.stderr[-600:], 600)
-        if any(m in run.stderr for m in _MEMORY_MARKERS):
-            return "memory", f"exit {run.code}: {tail}"
-        return "error", f"exit {run.code}: {tail}"
+        return "error", f"exit {run.code}: {_excerpt(run.stderr[-600:], 600)}"
     got = run.stdout.decode("utf-8", errors="replace")
     if outputs_match(got, expected):
         return "passed", ""
