@@ -3,8 +3,9 @@
 What lives here: one `Checkpointer` around `orbax.checkpoint.CheckpointManager` that saves
 the array state (a pytree) and a JSON side-car (step, data-iterator position, the config,
 anything small) atomically as one step folder, keeps `max_to_keep`, and restores the
-newest readable step. What does not: deciding *when* to save (train.py) or converting
-Hugging Face weights (models/convert_hf.py).
+newest readable step; `load_params`, the policy's parameters alone (what evaluation
+needs: the optimizer state is never read). What does not: deciding *when* to save
+(train.py) or converting Hugging Face weights (models/convert_hf.py).
 
 Failure policy: an unreadable latest checkpoint is an error that names it, never a silent
 fresh start; `fallback_to_previous=True` walks back to the newest step that restores.
@@ -63,16 +64,9 @@ class Checkpointer:
         )
         self._manager.wait_until_finished()
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restore checkpoint `step` into the shapes/shardings of `abstract_state`."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    def _restore(self, step: int, args: ocp.args.Composite):
         try:
-            out = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-                ),
-            )
+            return self._manager.restore(step, args=args)
         except Exception as e:  # noqa: BLE001 - re-raised with the folder named
             path = os.path.join(self.directory, str(step))
             raise CheckpointError(
@@ -81,7 +75,26 @@ class Checkpointer:
                 "shape or be damaged; use another workdir, or set "
                 "--config.checkpoint.fallback_to_previous=True to resume from an older step."
             ) from e
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restore checkpoint `step` into the shapes/shardings of `abstract_state`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        out = self._restore(step, ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only `state["params"]` of checkpoint `step`, in the shapes/shardings of
+        `abstract_params`; the optimizer state and the side-car are not read.
+
+        An Orbax partial restore: the target names the `params` subtree alone, and
+        `partial_restore=True` leaves every other saved array on disk.
+        """
+        abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)}
+        out = self._restore(step, ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True)))
+        return out["state"]["params"]
 
     def restore_latest(
         self, abstract_state: Any, *, fallback_to_previous: bool = False
@@ -122,3 +135,22 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def load_params(directory: str, abstract_params: Any, *, step: int | None = None
+                ) -> tuple[Any, int]:
+    """(params, step) of a trainer checkpoint folder (WORKDIR/checkpoints), parameters only.
+
+    `abstract_params` gives the structure, shapes and shardings (e.g. the run's initial
+    policy); `step=None` takes the newest complete step. CheckpointError when the folder
+    holds no checkpoint or the step does not fit `abstract_params` (another model shape).
+    """
+    ckpt = Checkpointer(directory)
+    try:
+        if step is None:
+            step = ckpt.latest_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint in {directory}")
+        return ckpt.restore_params(step, abstract_params), step
+    finally:
+        ckpt.close()

@@ -3,13 +3,14 @@
 Lives here: `DataConfig`, `load_prompts` (DAPO-Math-17k in its original chat shape and its
 processed plain shape, Polaris-53K), `PromptDataset`, and `PromptIterator` (deterministic,
 resumable shuffling of prompt indices). Not here: answer checking (`rewards/math.py`),
-the evaluation benchmarks (`evaluate.py`), padding prompts to bucket lengths (`sampler.py`).
+the evaluation sets (`eval_sets.py`), padding prompts to bucket lengths (`sampler.py`).
 
 Nothing is fetched: files are read through Hugging Face `datasets` with
 `HF_DATASETS_OFFLINE=1` and its progress bars off (`load_local_dataset`, shared with the
-benchmark reader). Every row that is not kept is counted in `PromptDataset.stats` under one
-reason, so `rows_read == kept + sum(drop counts)`; kept prompts whose answer was a float
-are counted too (`FLOAT_ANSWER_COUNTS`, see `_answer_text`), and the trainer prints it all.
+evaluation-set reader). Every row that is not kept is counted in `PromptDataset.stats` under
+one reason (the `Skip` it raised; the evaluation-set reader counts its rows the same way),
+so `rows_read == kept + sum(drop counts)`; kept prompts whose answer was a float are counted
+too (`FLOAT_ANSWER_COUNTS`, see `_answer_text`), and the trainer prints it all.
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ class PromptDataset:
         return len(self.prompt_ids)
 
 
-class _Skip(Exception):
-    """A row that is dropped, with the stats key it is counted under."""
+class Skip(Exception):
+    """A row that is dropped, with the stats key it is counted under (`reason`).
+
+    Raised by the row readers here and in `eval_sets.py`, caught by their loops.
+    """
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -124,26 +128,26 @@ def _answer_text(value: Any) -> tuple[str, str | None]:
     writes missing values as NaN); an infinity is malformed.
     """
     if value is None:
-        raise _Skip("no_answer")
+        raise Skip("no_answer")
     if isinstance(value, (bool, np.bool_)):
-        raise _Skip("malformed")
+        raise Skip("malformed")
     if isinstance(value, (float, np.floating)):
         return _float_text(float(value))
     if isinstance(value, (int, np.integer)):
         return str(int(value)), None
     if not isinstance(value, str):
-        raise _Skip("malformed")
+        raise Skip("malformed")
     text = value.strip()
     if not text:
-        raise _Skip("no_answer")
+        raise Skip("no_answer")
     return text, None
 
 
 def _float_text(x: float) -> tuple[str, str]:
     if x != x:
-        raise _Skip("no_answer")
+        raise Skip("no_answer")
     if x in (float("inf"), float("-inf")):
-        raise _Skip("malformed")
+        raise Skip("malformed")
     x += 0.0  # -0.0 -> 0.0
     with np.errstate(over="ignore"):
         single = np.float32(x)
@@ -155,9 +159,9 @@ def _float_text(x: float) -> tuple[str, str]:
 
 def _problem_text(value: Any) -> str:
     if not isinstance(value, str):
-        raise _Skip("malformed")
+        raise Skip("malformed")
     if not value.strip():
-        raise _Skip("empty_prompt")
+        raise Skip("empty_prompt")
     return value
 
 
@@ -178,17 +182,17 @@ def _dapo_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]], s
             for m in prompt
         )
         if not well_formed or [m["role"] for m in prompt].count("user") != 1:
-            raise _Skip("malformed")
+            raise Skip("malformed")
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         _problem_text(next(m["content"] for m in messages if m["role"] == "user"))
     else:
-        raise _Skip("malformed")
+        raise Skip("malformed")
     if "solution" in row:
         truth, converted = _answer_text(row["solution"])
     else:
         reward_model = row.get("reward_model")
         if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-            raise _Skip("malformed")
+            raise Skip("malformed")
         truth, converted = _answer_text(reward_model["ground_truth"])
     if suffix:
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -204,10 +208,10 @@ def _polaris_row(row: dict[str, Any], suffix: str) -> tuple[list[dict[str, str]]
     if difficulty is not None:  # informative only, but a bad value means a broken row
         m = _DIFFICULTY_RE.fullmatch(difficulty) if isinstance(difficulty, str) else None
         if m is None or int(m.group(1)) > int(m.group(2)) or int(m.group(2)) == 0:
-            raise _Skip("malformed")
+            raise Skip("malformed")
     truth, converted = _answer_text(row.get("answer"))
     if not truth.strip("$ ") or _NO_ANSWER_RE.search(truth):
-        raise _Skip("no_answer")
+        raise Skip("no_answer")
     if suffix:
         text = text + " " + suffix
     return [{"role": "user", "content": text}], truth, converted
@@ -351,7 +355,7 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
             stats["rows_read"] += 1
             try:
                 messages, truth, converted = parse_row(dict(zip(columns, values)), suffix)
-            except _Skip as skip:
+            except Skip as skip:
                 stats[skip.reason] += 1
                 continue
             key = "\x00".join(m["content"] for m in messages)  # the prompt text

@@ -8,7 +8,7 @@ and the command
     python -m ba_jax.evaluate --config=configs/default.py --checkpoint=DIR \
         --benchmarks=math500,aime24,aime25,olympiad,minerva,livecodebench --k=4
 
-Not here: reading the benchmark files (`benchmarks_data.py`), answer checking and the code
+Not here: reading the benchmark files (`eval_sets.py`), answer checking and the code
 sandbox (`rewards/`), the sampler itself. docs/evaluation.md documents files and metrics.
 
 Heavy modules (jax, transformers) are imported inside functions: the math scorer's workers
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ba_jax.benchmarks_data import BENCHMARKS, Benchmark, Problem
+from ba_jax.eval_sets import BENCHMARKS, Benchmark, Problem
 
 MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
 CODE_INSTRUCTION = (
@@ -326,18 +326,24 @@ def detect_checkpoint(path: str) -> tuple[str, str]:
 
 
 def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[Any, Any, dict]:
-    """(model, tokenizer, info) of any checkpoint layout; info: kind, path, step, workdir."""
+    """(model, tokenizer, info) of any checkpoint layout; info: kind, path, step, workdir.
+
+    A trainer checkpoint is read with `cfg`'s model (its initial policy gives the shapes)
+    on `mesh` (default: the config's mesh over all devices); only its parameters are read.
+    """
     from flax import nnx
 
-    from ba_jax import build, checkpoint, train
+    from ba_jax import build, checkpoint, run_config
     from ba_jax.models import convert_hf
 
     kind, folder = detect_checkpoint(path)
     info = {"kind": kind, "path": os.path.abspath(folder), "step": None}
-    dtype = build.DTYPES[cfg.model.param_dtype]
+    dtype = run_config.DTYPES[cfg.model.param_dtype]
     if kind == "trainer":
         try:
-            graphdef, params, info["step"] = train.load_policy(cfg, folder, step=step)
+            mesh = build.make_mesh(cfg) if mesh is None else mesh
+            graphdef, target = build.init_policy(cfg, mesh)
+            params, info["step"] = checkpoint.load_params(folder, target, step=step)
         except checkpoint.CheckpointError as e:
             raise checkpoint.CheckpointError(
                 f"{e}\nThe trainer checkpoint is read with --config's model; pass the config "
@@ -468,7 +474,7 @@ def main(argv) -> None:
     from absl import flags, logging
 
 
-    from ba_jax import benchmarks_data, build, checkpoint
+    from ba_jax import build, checkpoint, eval_sets, run_config
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
     F = flags.FLAGS
@@ -483,8 +489,8 @@ def main(argv) -> None:
             batch_prompts=F.batch_prompts, template=cfg.data.template,
             enable_thinking=cfg.data.enable_thinking, code_timeout_s=F.code_timeout_s,
             num_workers=F.num_workers)
-        benches = [benchmarks_data.load_benchmark(
-            b, benchmarks_data.find_benchmark_file(F.bench_dir, b), limit=F.limit)
+        benches = [eval_sets.load_benchmark(
+            b, eval_sets.find_benchmark_file(F.bench_dir, b), limit=F.limit)
             for b in F.benchmarks]  # read every file before the (slow) model load
         mesh = build.make_mesh(cfg)
         model, tokenizer, info = load_model(cfg, F.checkpoint, mesh=mesh,
@@ -493,7 +499,7 @@ def main(argv) -> None:
                         if info["kind"] == "trainer" else os.path.join(info["path"], "eval"))
         results = run_evaluation(model, tokenizer, benches, settings, out_dir=out, info=info,
                                  mesh=mesh, save_samples=F.save_samples)
-    except (ValueError, FileNotFoundError, build.ConfigError, checkpoint.CheckpointError) as e:
+    except (ValueError, FileNotFoundError, run_config.ConfigError, checkpoint.CheckpointError) as e:
         sys.exit(f"ba_jax.evaluate: {e}")
     print(results_table(results), end="")
     print(f"wrote {os.path.join(out, 'results.json')} and results.md")

@@ -1,11 +1,12 @@
 """GRPO building blocks as pure functions: advantages, token log-probs and entropy,
-the clipped surrogate, KL estimators, the weighted loss, exact micro-batching.
+the policy's log-probs on a `[prompt | response]` batch, the clipped surrogate, KL
+estimators, the weighted loss, exact micro-batching.
 
 The loss is always `sum(w_BT * l_BT)` with weights from `ba_jax.aggregation`, computed
 on the whole optimizer batch before it is split (spec: aggregation.md), so every
 metric here is a plain weighted or counted sum that stays exact when summed over
 micro-batches or devices. What does not live here: the aggregation rules
-(aggregation.py), the model, the train step and optimizer (train.py).
+(aggregation.py), the model (models/), the train step (train.py), the optimizer (optim.py).
 Shape letters: B rows, T tokens, V vocab, P groups (prompts).
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from ba_jax.aggregation import safe_div
 
@@ -104,6 +106,31 @@ def token_entropy(logits_BTV: jax.Array) -> jax.Array:
     lse_BT = jax.nn.logsumexp(x_BTV, axis=-1)
     p_BTV = jnp.exp(x_BTV - lse_BT[..., None])
     return lse_BT - jnp.sum(p_BTV * x_BTV, axis=-1)
+
+
+def sequence_inputs(prompt_tokens_BT, prompt_mask_BT, tokens_BR):
+    """Model inputs for `[prompt | response]` minus the last slot, and its positions/mask."""
+    tokens_BS = jnp.concatenate([prompt_tokens_BT, tokens_BR], axis=1)[:, :-1]
+    attn_BS = jnp.concatenate(
+        [prompt_mask_BT, jnp.ones_like(tokens_BR)], axis=1)[:, :-1].astype(jnp.int32)
+    positions_BS = jnp.maximum(jnp.cumsum(attn_BS, axis=1) - 1, 0)
+    return tokens_BS, positions_BS, attn_BS
+
+
+def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
+    """Log-probs (and entropies) of the response tokens under the policy `params`.
+
+    `batch` holds left-padded `prompt_tokens_BT` / `prompt_mask_BT` and the R response
+    slots `tokens_BR`; the logits are computed for response positions only.
+    """
+    model = nnx.merge(graphdef, params)
+    Tp = batch["prompt_tokens_BT"].shape[1]
+    tokens_BS, positions_BS, attn_BS = sequence_inputs(
+        batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
+    logits_BRV = model(tokens_BS, positions_BS, attn_BS, logits_slice=slice(Tp - 1, None))
+    logp_BR = token_logprobs(logits_BRV, batch["tokens_BR"])
+    ent_BR = token_entropy(jax.lax.stop_gradient(logits_BRV)) if with_entropy else None
+    return logp_BR, ent_BR
 
 
 def clipped_surrogate(

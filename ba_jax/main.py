@@ -18,13 +18,13 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from ba_jax import build, checkpoint, distributed, train
+    from ba_jax import checkpoint, distributed, run_config, train
 
     distributed.maybe_initialize()  # several processes: join them before touching devices
 
     try:
         print(train.train_and_evaluate(_CONFIG.value, _WORKDIR.value))
-    except (build.ConfigError, checkpoint.CheckpointError, FloatingPointError) as e:
+    except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError) as e:
         sys.exit(f"ba_jax: {e}")
 
 

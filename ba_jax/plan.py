@@ -35,15 +35,15 @@ USABLE_FRACTION = 0.9
 
 def model_config(cfg: Any):
     """The run's ModelConfig; an `init=hf` run without a preset reads the folder's config.json."""
-    from ba_jax import build
+    from ba_jax import run_config
     from ba_jax.models import qwen
 
     path = os.path.join(cfg.model.init_path or "", "config.json")
     if not cfg.model.preset and cfg.model.init == "hf" and os.path.isfile(path):
         with open(path) as f:
             hf = qwen.ModelConfig.from_hf_config(json.load(f))
-        return dataclasses.replace(hf, **build.runtime_options(cfg))
-    return build.model_config(cfg)
+        return dataclasses.replace(hf, **run_config.runtime_options(cfg))
+    return run_config.model_config(cfg)
 
 
 def _abstract_mesh(axes: dict[str, int]) -> jax.sharding.AbstractMesh:
@@ -142,13 +142,13 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     """Per-device bytes of a run of `cfg` on `num_devices` and the fit per named device."""
     from flax import nnx
 
-    from ba_jax import build, sampler
+    from ba_jax import build, run_config, sampler
     from ba_jax.models import qwen
 
-    axes = build.mesh_axes(cfg, num_devices)
+    axes = run_config.mesh_axes(cfg, num_devices)
     mesh = _abstract_mesh(axes)
     mc = model_config(cfg)
-    dtype, pdtype = build.DTYPES[cfg.model.dtype], build.DTYPES[cfg.model.param_dtype]
+    dtype, pdtype = run_config.DTYPES[cfg.model.dtype], run_config.DTYPES[cfg.model.param_dtype]
     itemsize = np.dtype(dtype).itemsize
     _, params = nnx.split(nnx.eval_shape(
         lambda: qwen.Qwen(mc, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdtype)))
@@ -168,11 +168,11 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     warnings = []
     if rows % k or mb_rows % dp:
         warnings.append(f"micro-batch rows ({rows} / {k}) do not split evenly over data*fsdp={dp}"
-                        " devices: build.validate rejects this config on this mesh")
+                        " devices: run_config.validate rejects this config on this mesh")
     mb_rows_dev = -(-mb_rows // dp)
     Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
     R = cfg.rollout.max_new_tokens
-    T = Tp + R - 1  # train.sequence_inputs drops the last slot of [prompt | response]
+    T = Tp + R - 1  # grpo.sequence_inputs drops the last slot of [prompt | response]
     act = {remat: activation_bytes(mc, rows=mb_rows_dev, T=T, itemsize=itemsize,
                                    tensor=axes["tensor"], use_remat=remat)
            for remat in (True, False)}
@@ -244,14 +244,14 @@ def main(argv) -> None:
 
     from absl import flags
 
-    from ba_jax import build
+    from ba_jax import run_config
 
     F = flags.FLAGS
     if F.device and F.device not in DEVICES:
         sys.exit(f"ba_jax.plan: --device={F.device!r}; valid: {', '.join(DEVICES)}")
     try:
         p = plan(F.config, F.num_devices or jax.device_count())
-    except build.ConfigError as e:
+    except run_config.ConfigError as e:
         sys.exit(f"ba_jax.plan: {e}")
     print(format_plan(p, F.device or None), end="")
 

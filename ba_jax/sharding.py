@@ -141,11 +141,16 @@ def param_shardings(model_state, mesh: Mesh, rules=None):
     return jax.tree_util.tree_map_with_path(one, model_state)
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over (`data`, `fsdp`), other dims replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows (the leading axis) over (`data`, `fsdp`), every other dim replicated.
+
+    The one sharding of batch rows: the spec names only the leading axis, so it fits arrays
+    of every rank, and a dict of arrays of different ranks (a train batch) is placed, or
+    given as a jitted step's `in_shardings`, with this one value.
+    """
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def shard_batch(batch, mesh: Mesh):
     """device_put every array of a batch pytree with its rows split over (`data`, `fsdp`)."""
-    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), batch)
+    return jax.device_put(batch, batch_sharding(mesh))

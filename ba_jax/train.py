@@ -1,10 +1,12 @@
 """The GRPO train step (pure, jitted once) and the RL loop around it.
 
 What lives here: `train_step(state, batch)` and `make_train_step` (shardings, donation),
-the format-only warm-up step of the embedded task, and `train_and_evaluate`, the plain
-Python loop: sample -> score -> advantages -> update -> log -> checkpoint. What does not:
-building the run from the config (build.py), collecting experience (experience.py), the
-aggregation rules (aggregation.py) and losses (grpo.py).
+the train state, and `train_and_evaluate`, the plain Python loop: sample -> score ->
+advantages -> update -> log -> checkpoint. What does not: checking the config
+(run_config.py), building the run from it (build.py), the optimizer (optim.py), the
+embedded task's supervised warm-up (tasks/warmup.py), collecting experience
+(experience.py), the aggregation rules (aggregation.py), the policy's log-probs and the
+losses (grpo.py).
 
 Batch layout (rows of one prompt contiguous, B = P*G): `prompt_tokens_BT` left-padded
 prompts, `tokens_BR` the R response slots; the policy reads `[prompt | response]` and the
@@ -29,36 +31,13 @@ from jax.sharding import PartitionSpec as PS
 
 from ba_jax import aggregation, build, checkpoint, data, distributed, experience, grpo
 from ba_jax import metrics as metrics_lib
-from ba_jax import workdir_lock
+from ba_jax import optim, run_config, sharding, workdir_lock
 from ba_jax.rewards import math as math_rewards
-from ba_jax.tasks import arithmetic
-
-BATCH_AXES = ("data", "fsdp")  # rows are split over both data-parallel mesh axes
-
-
-def sequence_inputs(prompt_tokens_BT, prompt_mask_BT, tokens_BR):
-    """Model inputs for `[prompt | response]` minus the last slot, and its positions/mask."""
-    tokens_BS = jnp.concatenate([prompt_tokens_BT, tokens_BR], axis=1)[:, :-1]
-    attn_BS = jnp.concatenate(
-        [prompt_mask_BT, jnp.ones_like(tokens_BR)], axis=1)[:, :-1].astype(jnp.int32)
-    positions_BS = jnp.maximum(jnp.cumsum(attn_BS, axis=1) - 1, 0)
-    return tokens_BS, positions_BS, attn_BS
-
-
-def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
-    """Log-probs (and entropies) of the response tokens under the policy `params`."""
-    model = nnx.merge(graphdef, params)
-    Tp = batch["prompt_tokens_BT"].shape[1]
-    tokens_BS, positions_BS, attn_BS = sequence_inputs(
-        batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
-    logits_BRV = model(tokens_BS, positions_BS, attn_BS, logits_slice=slice(Tp - 1, None))
-    logp_BR = grpo.token_logprobs(logits_BRV, batch["tokens_BR"])
-    ent_BR = grpo.token_entropy(jax.lax.stop_gradient(logits_BRV)) if with_entropy else None
-    return logp_BR, ent_BR
+from ba_jax.tasks import warmup
 
 
 def _loss_fn(params, mb, *, graphdef, g):
-    logp_BR, ent_BR = policy_logprobs(graphdef, params, mb, with_entropy=True)
+    logp_BR, ent_BR = grpo.policy_logprobs(graphdef, params, mb, with_entropy=True)
     use_kl = g["kl_kind"] != "none"
     loss, m = grpo.grpo_loss(
         logp_BR, mb["old_logp_BR"], mb["adv_B"], mb["w_BR"], mb["mask_BR"],
@@ -76,7 +55,7 @@ def train_step(state, batch, *, graphdef, tx, rule, rule_options, g, num_groups,
     batch = dict(batch, w_BR=w_BR)
     loss_fn = functools.partial(_loss_fn, graphdef=graphdef, g=g)
     loss, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch, num_microbatches)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -97,18 +76,21 @@ def train_step(state, batch, *, graphdef, tx, rule, rule_options, g, num_groups,
     return new_state, out
 
 
-def make_train_step(cfg, graphdef, state, mesh, num_groups: int):
-    """jit(train_step) with the state's shardings, rows over (data, fsdp), state donated."""
+def make_train_step(cfg, graphdef, tx: optax.GradientTransformation, state, mesh,
+                    num_groups: int):
+    """jit(train_step) with the state's shardings, rows over (data, fsdp), state donated.
+
+    `tx` is the optimizer `state["opt_state"]` was made by (`build.make_optimizer`).
+    """
     g = dict(cfg.grpo)
     rule = aggregation.resolve_rule(g["aggregation"])
     rule_options = dict(count_degenerate_groups=g["count_degenerate_groups"],
                         max_len=g["constant_max_len"] or cfg.rollout.max_new_tokens)
-    tx, _ = build.make_optimizer(cfg)
     fn = functools.partial(train_step, graphdef=graphdef, tx=tx, rule=rule,
                            rule_options=rule_options, g=g, num_groups=num_groups,
                            num_microbatches=cfg.grpo.num_microbatches)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    row_sh = NamedSharding(mesh, PS(BATCH_AXES))
+    row_sh = sharding.batch_sharding(mesh)
 
     def step(state, batch):
         # the mesh in context at trace time: the kernel seam shard_maps kernels XLA cannot
@@ -132,104 +114,18 @@ def replicate_unsharded(tree, mesh):
         else jax.device_put(x, rep), tree)
 
 
-def init_opt_state(tx, params, mesh):
-    """Optimizer state created in place: each moment shares its parameter's sharding
-    (so FSDP shards AdamW's mu/nu too), everything else (counts) is replicated."""
-    abstract = jax.eval_shape(tx.init, params)
-    rep = NamedSharding(mesh, PS())
-    shardings = optax.tree_map_params(
-        tx, lambda _, p: p.sharding, abstract, params, transform_non_params=lambda _: rep,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return jax.jit(tx.init, out_shardings=shardings)(params)
-
-
 def init_state(params, tx, mesh) -> dict:
     """Fresh train state: parameters, optimizer state and update count, all mesh-placed."""
-    state = dict(params=params, opt_state=init_opt_state(tx, params, mesh),
+    state = dict(params=params, opt_state=optim.init_opt_state(tx, params, mesh),
                  step=jnp.zeros((), jnp.int32))
     return replicate_unsharded(state, mesh)
-
-
-def make_sft_step(graphdef, tx):
-    """jit(step)(params, opt_state, batch) -> (params, opt_state, loss, p_target).
-
-    One supervised step on the response tokens of a `sft_batch`. `p_target` is the
-    policy's probability of producing the whole target response, averaged over rows with
-    `target_B = 1` (when targets are true answers: the expected sampling accuracy).
-    """
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            logp_BR, _ = policy_logprobs(graphdef, p, batch)
-            seq_logp_B = jnp.sum(batch["mask_BR"] * logp_BR, axis=1)
-            loss = -jnp.sum(batch["mask_BR"] * logp_BR) / jnp.maximum(batch["mask_BR"].sum(), 1)
-            return loss, seq_logp_B
-
-        (loss, seq_logp_B), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        t_B = batch["target_B"]
-        p_target = jnp.sum(t_B * jnp.exp(seq_logp_B)) / jnp.maximum(t_B.sum(), 1)
-        return optax.apply_updates(params, updates), opt_state, loss, p_target
-
-    return step
-
-
-def sft_batch(prompts: list[list[int]], texts: list[str], tokenizer, *, prompt_len: int,
-              response_len: int, target_B: np.ndarray) -> dict[str, np.ndarray]:
-    """Left-padded prompts and right-padded responses (`text` + EOS) for `make_sft_step`."""
-    n = len(prompts)
-    b = dict(prompt_tokens_BT=np.zeros((n, prompt_len), np.int32),
-             prompt_mask_BT=np.zeros((n, prompt_len), np.int32),
-             tokens_BR=np.zeros((n, response_len), np.int32),
-             mask_BR=np.zeros((n, response_len), np.float32),
-             target_B=np.asarray(target_B, np.float32))
-    for i, (p, t) in enumerate(zip(prompts, texts)):
-        b["prompt_tokens_BT"][i, prompt_len - len(p):] = p
-        b["prompt_mask_BT"][i, prompt_len - len(p):] = 1
-        r = (tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-        r = r[:response_len]
-        b["tokens_BR"][i, : len(r)] = r
-        b["mask_BR"][i, : len(r)] = 1
-    return b
-
-
-def _warmup(cfg, graphdef, params, prompt_set, tokenizer, mesh):
-    """Short supervised warm-up of the embedded task, stopped at a target accuracy.
-
-    Targets are `Answer: N` with the true N (probability `warmup_correct_frac`) or a
-    random one. Training stops as soon as the policy's probability of producing the
-    true response, averaged over the batch (= its expected sampling accuracy), reaches
-    `warmup_target_accuracy`, so RL starts from a weak policy whatever the model size.
-    """
-    a = cfg.arithmetic
-    rng = np.random.default_rng([cfg.seed, 7])
-    Tp = max(len(p) for p in prompt_set.prompt_ids)
-    tx = optax.adam(a.warmup_learning_rate)
-    opt_state = init_opt_state(tx, params, mesh)
-    step = make_sft_step(graphdef, tx)
-    n = a.warmup_batch_size
-    row_sh = NamedSharding(mesh, PS(BATCH_AXES))
-    loss = p_true = float("nan")
-    steps = 0
-    for steps in range(1, a.warmup_steps + 1):
-        idx = rng.integers(len(prompt_set.prompt_ids), size=n)
-        truths = [prompt_set.ground_truths[j] for j in idx]
-        texts = arithmetic.warmup_responses(rng, truths, a.max_operand, a.ops, a.warmup_correct_frac)
-        b = sft_batch([prompt_set.prompt_ids[j] for j in idx], texts, tokenizer, prompt_len=Tp,
-                      response_len=cfg.rollout.max_new_tokens,
-                      target_B=np.array([t == f"Answer: {g}" for t, g in zip(texts, truths)]))
-        params, opt_state, loss, p_true = step(params, opt_state, distributed.put_global(b, row_sh))
-        if float(p_true) >= a.warmup_target_accuracy:
-            break
-    return params, dict(steps=steps, loss=float(loss), p_true=float(p_true))
 
 
 def _eos_ids(tokenizer) -> set[int]:
     try:
         return set(data.eos_ids(tokenizer))
     except ValueError as e:
-        raise build.ConfigError(str(e)) from e
+        raise run_config.ConfigError(str(e)) from e
 
 
 def _config_json(cfg) -> str:
@@ -272,8 +168,8 @@ def minibatch(batch: dict[str, np.ndarray], m: int, M: int, Pg: int, G: int) -> 
 def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str:
     """Run (or resume) the RL loop of `cfg` in `workdir` on `devices` (default all)."""
     devices = jax.devices() if devices is None else devices
-    build.validate(cfg, len(devices))
-    build.check_workdir(workdir)
+    run_config.validate(cfg, len(devices))
+    run_config.check_workdir(workdir)
     with workdir_lock.hold(workdir):  # one run per workdir; released on return, error or death
         return _train_and_evaluate(cfg, workdir, devices)
 
@@ -301,7 +197,13 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     else:
         start = 0
         if cfg.task == "arithmetic" and cfg.arithmetic.warmup_steps > 0:
-            params, w = _warmup(cfg, graphdef, state["params"], prompt_set, tokenizer, mesh)
+            a = cfg.arithmetic
+            params, w = warmup.warm_up(
+                graphdef, state["params"], prompt_set, tokenizer, mesh, seed=cfg.seed,
+                response_len=cfg.rollout.max_new_tokens, max_operand=a.max_operand, ops=a.ops,
+                steps=a.warmup_steps, batch_size=a.warmup_batch_size,
+                learning_rate=a.warmup_learning_rate, correct_frac=a.warmup_correct_frac,
+                target_accuracy=a.warmup_target_accuracy)
             state = init_state(params, tx, mesh)
             print(f"warm-up: {w['steps']} supervised steps, loss {w['loss']:.3f}, "
                   f"p(true answer) {w['p_true']:.3f}; RL starts now")
@@ -316,14 +218,14 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     if ref_params is not None:
         ref_params = jax.tree.map(jnp.copy, ref_params)  # the frozen reference survives donation
     M = cfg.grpo.num_minibatches
-    step_fn = make_train_step(cfg, graphdef, state, mesh, num_groups=P // M)
-    ref_fn = jax.jit(lambda p, b: policy_logprobs(graphdef, p, b)[0])
+    step_fn = make_train_step(cfg, graphdef, tx, state, mesh, num_groups=P // M)
+    ref_fn = jax.jit(lambda p, b: grpo.policy_logprobs(graphdef, p, b)[0])
     rep = NamedSharding(mesh, PS())
     diag_fn = jax.jit(functools.partial(
         aggregation.diagnostics, aggregation.resolve_rule(cfg.grpo.aggregation),
         num_groups=P, count_degenerate_groups=cfg.grpo.count_degenerate_groups,
         max_len=cfg.grpo.constant_max_len or cfg.rollout.max_new_tokens), out_shardings=rep)
-    row_sh = NamedSharding(mesh, PS(BATCH_AXES))
+    row_sh = sharding.batch_sharding(mesh)
     primary = distributed.is_primary()
     writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,
                                        flush_every=cfg.log_every, enabled=primary)
@@ -412,26 +314,3 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     return (f"finished {cfg.num_train_steps} steps: metrics {workdir}/metrics.jsonl, plots {plots}, "
             f"checkpoint {ckpt.directory}")
 
-
-def load_policy(cfg, checkpoint_dir: str, *, devices: list | None = None, step: int | None = None):
-    """(graphdef, params, step) of a trainer checkpoint folder (WORKDIR/checkpoints).
-
-    The optimizer state is restored too (Orbax restores whole items) and then dropped.
-    `step=None` takes the newest complete step.
-    """
-    mesh = build.make_mesh(cfg, devices)
-    graphdef, params = build.init_policy(cfg, mesh)
-    tx, _ = build.make_optimizer(cfg)
-    state = init_state(params, tx, mesh)
-    ckpt = checkpoint.Checkpointer(checkpoint_dir)
-    try:
-        if step is None:
-            restored = ckpt.restore_latest(state)
-            if restored is None:
-                raise checkpoint.CheckpointError(f"no checkpoint in {checkpoint_dir}")
-            step, state, _ = restored
-        else:
-            state, _ = ckpt.restore(step, state)
-    finally:
-        ckpt.close()
-    return graphdef, state["params"], step

@@ -2,7 +2,7 @@
 
 Lives here: `hold(workdir)`, the context `train.train_and_evaluate` runs under, with
 `acquire` and `WorkdirInUse` beneath it. Not here: checking that the folder is writable
-(`build.check_workdir`), checkpoints (`checkpoint.py`).
+(`run_config.check_workdir`), checkpoints (`checkpoint.py`).
 
 Two runs in one workdir overwrite each other's checkpoints and metrics, so the second is
 refused at start-up with the holder's pid and host. The lock is `fcntl.flock` on an open
@@ -27,13 +27,13 @@ from collections.abc import Iterator
 
 import jax
 
-from ba_jax import build
+from ba_jax import run_config
 
 LOCK_NAME = "run.lock"
 _HOLDER_RE = re.compile(r"pid (\d+) host (\S+)(?: started (\S+))?")
 
 
-class WorkdirInUse(build.ConfigError):
+class WorkdirInUse(run_config.ConfigError):
     """Another live run (or another call in this process) holds the workdir's lock."""
 
 
@@ -55,7 +55,7 @@ def acquire(workdir: str) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise build.ConfigError(f"--workdir={workdir!r}: cannot create the lock file {path}: "
+        raise run_config.ConfigError(f"--workdir={workdir!r}: cannot create the lock file {path}: "
                                 f"{e}") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

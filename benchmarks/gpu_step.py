@@ -79,6 +79,7 @@ def make_config(args):
     cfg.model.dtype, cfg.model.param_dtype = "bfloat16", "float32"
     cfg.model.remat = "full" if args.remat else "none"
     cfg.model.attention = args.attention
+    cfg.model.scan_unroll = 1
     cfg.rollout.prompts_per_step, cfg.rollout.num_samples = args.prompts, args.samples
     cfg.rollout.max_new_tokens = args.response_len
     cfg.data.max_prompt_tokens = args.prompt_len
@@ -105,19 +106,17 @@ def synthetic_batch(cfg, vocab: int, rng: np.random.Generator) -> dict[str, np.n
 def bench_train(cfg, devices, steps: int):
     """(median step seconds, state, graphdef, measured peak bytes or None)."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from ba_jax import build, train
+    from ba_jax import build, run_config, sharding, train
 
     mesh = build.make_mesh(cfg, devices)
     graphdef, params = build.init_policy(cfg, mesh)
     tx, _ = build.make_optimizer(cfg)
     state = train.init_state(params, tx, mesh)
-    step_fn = train.make_train_step(cfg, graphdef, state, mesh,
+    step_fn = train.make_train_step(cfg, graphdef, tx, state, mesh,
                                     num_groups=cfg.rollout.prompts_per_step)
-    vocab = build.model_config(cfg).vocab_size
-    row_sh = NamedSharding(mesh, PartitionSpec(train.BATCH_AXES))
-    batch = jax.device_put(synthetic_batch(cfg, vocab, np.random.default_rng(0)), row_sh)
+    vocab = run_config.model_config(cfg).vocab_size
+    batch = sharding.shard_batch(synthetic_batch(cfg, vocab, np.random.default_rng(0)), mesh)
     state, out = step_fn(state, batch)  # compile
     jax.block_until_ready(out)
     times = []
@@ -214,13 +213,13 @@ def main(argv=None) -> None:
         return
     import jax
 
-    from ba_jax import build, plan
+    from ba_jax import build, plan, run_config
 
     kind = devices[0].device_kind
     peak = args.peak_tflops or peak_tflops(kind) or float("nan")
     cfg = make_config(args)
-    build.validate(cfg, len(devices))
-    mc = build.model_config(cfg)
+    run_config.validate(cfg, len(devices))
+    mc = run_config.model_config(cfg)
     planned = plan.plan(cfg, len(devices))
     n_params = planned["param_count"]
     L, N, H = mc.num_layers, mc.num_heads, mc.head_dim

@@ -76,6 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat = "full"
+    c.model.scan_unroll = 1  # one layer in the compiled program
     c.data.format = DATA[a["data"]]
     c.data.template = template
     c.data.max_prompt_tokens = max_prompt

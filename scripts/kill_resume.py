@@ -86,9 +86,9 @@ def killed_run(workdir: str, steps: int, cache_dir: str, trials: int, max_delay_
 
 def debug_config():
     sys.path.insert(0, REPO)
-    from ba_jax import build
+    from ba_jax import run_config
 
-    return build.load_config(os.path.join(REPO, "configs", "default.py:debug"))
+    return run_config.load_config(os.path.join(REPO, "configs", "default.py:debug"))
 
 
 def compare(ref: str, other: str) -> list[str]:
@@ -108,12 +108,11 @@ def compare(ref: str, other: str) -> list[str]:
     leaves = []
     cfg = debug_config()
     for wd in (ref, other):
-        _, params, step = train.load_policy(cfg, os.path.join(wd, "checkpoints"),
-                                            devices=jax.devices()[:1])
+        mesh = build.make_mesh(cfg, jax.devices()[:1])
+        _, p0 = build.init_policy(cfg, mesh)
+        params, step = checkpoint.load_params(os.path.join(wd, "checkpoints"), p0)
         leaves.append((step, jax.tree.leaves(jax.device_get(params))))
         ck = checkpoint.Checkpointer(os.path.join(wd, "checkpoints"))
-        mesh = build.make_mesh(cfg, jax.devices()[:1])
-        graphdef, p0 = build.init_policy(cfg, mesh)
         tx, _ = build.make_optimizer(cfg)
         for s in ck.steps():  # every checkpoint left behind must restore
             ck.restore(s, train.init_state(p0, tx, mesh))

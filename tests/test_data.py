@@ -218,14 +218,14 @@ def test_loading_prints_no_progress_bars(word_tokenizer, tmp_path, capfd, monkey
     """`datasets` draws "Generating train split" bars on a first read; none may show."""
     import datasets
 
-    from ba_jax import benchmarks_data
+    from ba_jax import eval_sets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
     load_prompts(DataConfig(POLARIS, template="plain", cache_dir=str(tmp_path / "c")),
                  word_tokenizer)
     bench = os.path.join(FIXTURES, "bench")
-    benchmarks_data.load_benchmark("aime24", os.path.join(bench, "aime24.jsonl"))
-    benchmarks_data.load_benchmark("aime25", os.path.join(bench, "aime25.parquet"))
+    eval_sets.load_benchmark("aime24", os.path.join(bench, "aime24.jsonl"))
+    eval_sets.load_benchmark("aime25", os.path.join(bench, "aime25.parquet"))
     out, err = capfd.readouterr()
     assert "Generating" not in out + err and "examples/s" not in out + err, out + err
     assert os.listdir(tmp_path / "c") and os.listdir(tmp_path / "hf_cache")  # freshly generated

@@ -1,4 +1,4 @@
-"""Tests for ba_jax.evaluate and ba_jax.benchmarks_data: metrics, readers, scoring, the command.
+"""Tests for ba_jax.evaluate and ba_jax.eval_sets: metrics, readers, scoring, the command.
 
 pass@k is checked against exact combinatorics; avg/pass/maj against hand-made correctness
 tables; each reader on its fixture (tests/fixtures/bench, made by make_bench_fixtures.py);
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from helpers_hf import make_tiny_hf, qwen_tokenizer_dir
 
-from ba_jax import benchmarks_data as bd
+from ba_jax import eval_sets as es
 from ba_jax import evaluate as ev
 from ba_jax.tasks import arithmetic
 
@@ -30,8 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "tests", "fixtures", "bench")
 
 
-def load(name: str, **kw) -> bd.Benchmark:
-    return bd.load_benchmark(name, bd.find_benchmark_file(BENCH, name), **kw)
+def load(name: str, **kw) -> es.Benchmark:
+    return es.load_benchmark(name, es.find_benchmark_file(BENCH, name), **kw)
 
 
 def write_jsonl(path, rows) -> str:
@@ -132,7 +132,7 @@ def test_math_readers_on_fixtures():
 
 def test_math_reader_column_variants(tmp_path):
     upper = write_jsonl(tmp_path / "aime24.jsonl", [{"ID": "x", "Problem": "P?", "Answer": 7}])
-    b = bd.load_benchmark("aime24", upper)
+    b = es.load_benchmark("aime24", upper)
     assert (b.problems[0].id, b.problems[0].question, b.problems[0].answer) == ("x", "P?", "7")
     both = write_jsonl(tmp_path / "m.jsonl", [
         {"question": "Q1", "answer": "5", "solution": "\\boxed{6}"},  # answer wins over solution
@@ -140,12 +140,12 @@ def test_math_reader_column_variants(tmp_path):
         {"question": "", "answer": "1", "solution": ""},
         {"question": "Q4", "answer": None, "solution": "no box"},
     ])
-    b = bd.load_benchmark("minerva", both)
+    b = es.load_benchmark("minerva", both)
     assert [p.answer for p in b.problems] == ["5", "\\frac{1}{3}"]
     assert b.stats["no_question"] == 1 and b.stats["no_answer"] == 1 and b.stats["rows_read"] == 4
     missing = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "answer": "1"}])
     with pytest.raises(ValueError, match="'problem' or 'question'"):
-        bd.load_benchmark("math500", missing)
+        es.load_benchmark("math500", missing)
 
 
 def test_livecodebench_reader_parses_and_skips_functional():
@@ -176,29 +176,29 @@ def test_livecodebench_private_tests_never_unpickle_objects(tmp_path):
         {"question_content": "Q2", "public_test_cases": "not json", "private_test_cases": ""},
         {"question_content": "Q3", "public_test_cases": good, "private_test_cases": ""},
     ])
-    b = bd.load_benchmark("livecodebench", path)
+    b = es.load_benchmark("livecodebench", path)
     assert not os.path.exists(marker)
     assert b.stats["malformed"] == 2 and [p.question for p in b.problems] == ["Q3"]
     with pytest.raises(ValueError):
-        bd.parse_test_cases(evil)
+        es.parse_test_cases(evil)
 
 
 def test_benchmark_file_lookup(tmp_path):
     with pytest.raises(FileNotFoundError, match="math500.jsonl"):
-        bd.find_benchmark_file(str(tmp_path), "math500")
+        es.find_benchmark_file(str(tmp_path), "math500")
     with pytest.raises(ValueError, match="unknown benchmark"):
-        bd.find_benchmark_file(str(tmp_path), "gsm8k")
+        es.find_benchmark_file(str(tmp_path), "gsm8k")
     for ext in (".jsonl", ".parquet"):
         (tmp_path / f"aime24{ext}").write_text("x")
     with pytest.raises(ValueError, match="several files"):
-        bd.find_benchmark_file(str(tmp_path), "aime24")
+        es.find_benchmark_file(str(tmp_path), "aime24")
 
 
 # ----------------------------------------------------------------------------- prompts
 
 
 def test_prompts_and_templates(char_tokenizer):
-    p = bd.Problem("0", "What is 1+1?", "2")
+    p = es.Problem("0", "What is 1+1?", "2")
     assert ev.prompt_text(p, "math") == "What is 1+1? " + ev.MATH_SUFFIX
     assert ev.CODE_INSTRUCTION in ev.prompt_text(p, "code")
     ids = ev.render_prompts(["ab"], char_tokenizer, template="plain")
@@ -336,9 +336,9 @@ def test_hf_and_converted_folders_load_and_sample(tmp_path, char_tokenizer):
 
 
 def _debug_config(**overrides):
-    from ba_jax import build
+    from ba_jax import run_config
 
-    return build.load_config(os.path.join(REPO, "configs", "default.py:debug"), **overrides)
+    return run_config.load_config(os.path.join(REPO, "configs", "default.py:debug"), **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +356,7 @@ def test_command_end_to_end_on_a_trainer_checkpoint(trained_workdir, tmp_path):
     out = str(tmp_path / "eval")
     cmd = [sys.executable, "-m", "ba_jax.evaluate", "--config=configs/default.py:debug",
            f"--checkpoint={trained_workdir}", f"--bench_dir={BENCH}",
-           "--benchmarks=" + ",".join(bd.BENCHMARKS), "--k=2", "--limit=2", "--batch_prompts=2",
+           "--benchmarks=" + ",".join(es.BENCHMARKS), "--k=2", "--limit=2", "--batch_prompts=2",
            "--max_new_tokens=6", "--seed=3", "--temperature=1.0", "--top_p=0.9", f"--out={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
@@ -366,7 +366,7 @@ def test_command_end_to_end_on_a_trainer_checkpoint(trained_workdir, tmp_path):
     assert (s["seed"], s["temperature"], s["top_p"], s["k"], s["max_new_tokens"], s["step"]) == (
         3, 1.0, 0.9, 2, 6, 0)
     assert s["checkpoint_kind"] == "trainer" and s["checkpoint"].endswith("checkpoints")
-    assert list(res["benchmarks"]) == list(bd.BENCHMARKS)
+    assert list(res["benchmarks"]) == list(es.BENCHMARKS)
     for name, e in res["benchmarks"].items():
         assert e["num_problems"] == len(e["problems"]) == 2, name
         assert all(0 <= p["correct"] <= 2 for p in e["problems"])
@@ -381,7 +381,7 @@ def test_command_end_to_end_on_a_trainer_checkpoint(trained_workdir, tmp_path):
     md = open(os.path.join(out, "results.md")).read()
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert table[0] == "| benchmark | problems | avg@2 | pass@2 | maj@2 |"
-    assert [line.split("|")[1].strip() for line in table[2:]] == list(bd.BENCHMARKS) + ["mean"]
+    assert [line.split("|")[1].strip() for line in table[2:]] == list(es.BENCHMARKS) + ["mean"]
     assert table[0] in proc.stdout  # the table is printed too
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ba_jax import build, plan as plan_lib
+from ba_jax import build, plan as plan_lib, run_config
 from ba_jax.models import qwen
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +113,7 @@ def test_kv_cache_bytes_equal_the_sampler_cache():
     cfg.model.dtype = "bfloat16"
     cfg.data.max_prompt_tokens = 40  # bucket 64
     p = plan_lib.plan(cfg, 1)
-    mc = build.model_config(cfg)
+    mc = run_config.model_config(cfg)
     rows = cfg.rollout.prompts_per_step * cfg.rollout.num_samples
     cache = jax.eval_shape(lambda: qwen.init_cache(mc, rows, 64 + cfg.rollout.max_new_tokens,
                                                    jnp.bfloat16))
@@ -152,7 +152,7 @@ def test_fit_verdict_flips_between_tiny_and_huge():
 def test_mesh_that_does_not_fit_the_device_count_is_an_error():
     cfg = _config("default", "debug")
     cfg.mesh.fsdp = 2
-    with pytest.raises(build.ConfigError):
+    with pytest.raises(run_config.ConfigError):
         plan_lib.plan(cfg, 3)
     cfg.mesh.data = 1
     cfg.rollout.prompts_per_step = 3

@@ -133,6 +133,13 @@ def test_scanned_layers_equal_unrolled_loop(model):
     scanned = _fwd(model, tokens)
     unrolled = jax.jit(_unrolled_logits)(model, tokens)
     np.testing.assert_allclose(scanned, unrolled, atol=1e-6)
+    # scan_unroll=2 runs both layers in one iteration: same logits
+    model.config = dataclasses.replace(TINY, scan_unroll=2)
+    try:
+        np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), unrolled,
+                                   atol=1e-6)
+    finally:
+        model.config = TINY
     # and one layer's parameters are really [L, ...]
     assert model.layers.mlp.up_proj.kernel[...].shape == (2, 48, 80)
 
@@ -193,6 +200,8 @@ def test_bad_runtime_options_are_named():
         dataclasses.replace(TINY, attention="flash")
     with pytest.raises(ValueError, match="model.remat='some'"):
         dataclasses.replace(TINY, remat="some")
+    with pytest.raises(ValueError, match="model.scan_unroll=0"):
+        dataclasses.replace(TINY, scan_unroll=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

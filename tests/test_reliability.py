@@ -15,6 +15,7 @@ import pytest
 
 from ba_jax import build, checkpoint, data, experience, train, workdir_lock
 from ba_jax.metrics import read_metrics
+from ba_jax.run_config import ConfigError
 from test_train import REPO, debug_config, params_of
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -134,58 +135,64 @@ def _workdir_in_use(tmp, tok):
 
 BAD = [
     # (case id, builder, exception type, message pattern)
-    ("unknown rule", _cfg_case({"grpo.aggregation": "balancd"}), build.ConfigError, "balanced_batch"),
+    ("unknown rule", _cfg_case({"grpo.aggregation": "balancd"}), ConfigError, "balanced_batch"),
     ("rule path missing module", _cfg_case({"grpo.aggregation": "no_such_pkg.mod:fn"}),
-     build.ConfigError, "no_such_pkg"),
-    ("mesh does not fit devices", _cfg_case({"mesh.data": 3}), build.ConfigError, "config.mesh"),
-    ("two free mesh axes", _cfg_case({"mesh.data": -1, "mesh.fsdp": -1}), build.ConfigError, "at most one"),
-    ("minibatches do not divide prompts", _cfg_case({"grpo.num_minibatches": 3}), build.ConfigError,
+     ConfigError, "no_such_pkg"),
+    ("mesh does not fit devices", _cfg_case({"mesh.data": 3}), ConfigError, "config.mesh"),
+    ("two free mesh axes", _cfg_case({"mesh.data": -1, "mesh.fsdp": -1}), ConfigError, "at most one"),
+    ("minibatches do not divide prompts", _cfg_case({"grpo.num_minibatches": 3}), ConfigError,
      "num_minibatches"),
-    ("microbatches do not divide rows", _cfg_case({"grpo.num_microbatches": 3}), build.ConfigError,
+    ("microbatches do not divide rows", _cfg_case({"grpo.num_microbatches": 3}), ConfigError,
      "num_microbatches"),
-    ("rows not divisible by devices", _cfg_case({"grpo.num_microbatches": 4}), build.ConfigError,
+    ("rows not divisible by devices", _cfg_case({"grpo.num_microbatches": 4}), ConfigError,
      "data\\*fsdp"),
-    ("unknown advantage", _cfg_case({"grpo.advantage": "ppo"}), build.ConfigError, "grpo.advantage"),
-    ("unknown kl kind", _cfg_case({"grpo.kl_kind": "k4"}), build.ConfigError, "kl_kind"),
-    ("bad dtype", _cfg_case({"model.dtype": "float16"}), build.ConfigError, "dtype"),
-    ("top_p zero", _cfg_case({"rollout.top_p": 0.0}), build.ConfigError, "top_p"),
-    ("negative temperature", _cfg_case({"rollout.temperature": -1.0}), build.ConfigError, "temperature"),
-    ("zero samples", _cfg_case({"rollout.num_samples": 0}), build.ConfigError, "num_samples"),
-    ("unknown init", _cfg_case({"model.init": "pretrained"}), build.ConfigError, "model.init"),
+    ("unknown advantage", _cfg_case({"grpo.advantage": "ppo"}), ConfigError, "grpo.advantage"),
+    ("unknown kl kind", _cfg_case({"grpo.kl_kind": "k4"}), ConfigError, "kl_kind"),
+    ("unknown attention kernel", _cfg_case({"model.attention": "flash"}), ConfigError,
+     "config.model.attention='flash'; valid: auto, xla, chunked, cudnn, splash"),
+    ("unknown remat policy", _cfg_case({"model.remat": "some"}), ConfigError,
+     "config.model.remat='some'"),
+    ("scan unroll below one", _cfg_case({"model.scan_unroll": 0}), ConfigError,
+     "config.model.scan_unroll=0"),
+    ("bad dtype", _cfg_case({"model.dtype": "float16"}), ConfigError, "dtype"),
+    ("top_p zero", _cfg_case({"rollout.top_p": 0.0}), ConfigError, "top_p"),
+    ("negative temperature", _cfg_case({"rollout.temperature": -1.0}), ConfigError, "temperature"),
+    ("zero samples", _cfg_case({"rollout.num_samples": 0}), ConfigError, "num_samples"),
+    ("unknown init", _cfg_case({"model.init": "pretrained"}), ConfigError, "model.init"),
     ("init folder missing", _cfg_case({"model.init": "hf", "model.init_path": "/nonexistent/qwen"}),
-     build.ConfigError, "/nonexistent/qwen"),
-    ("unknown preset", _cfg_case({"model.preset": "Qwen9-1B"}), build.ConfigError, "Qwen9-1B"),
-    ("heads not multiple of kv heads", _cfg_case({"model.num_kv_heads": 3}), build.ConfigError,
+     ConfigError, "/nonexistent/qwen"),
+    ("unknown preset", _cfg_case({"model.preset": "Qwen9-1B"}), ConfigError, "Qwen9-1B"),
+    ("heads not multiple of kv heads", _cfg_case({"model.num_kv_heads": 3}), ConfigError,
      "num_kv_heads"),
-    ("unknown task", _cfg_case({"task": "chess"}), build.ConfigError, "config.task"),
-    ("unknown schedule", _cfg_case({"optim.schedule": "linear"}), build.ConfigError, "schedule"),
-    ("zero learning rate", _cfg_case({"optim.learning_rate": 0.0}), build.ConfigError, "learning_rate"),
-    ("zero checkpoint interval", _cfg_case({"checkpoint.every_steps": 0}), build.ConfigError,
+    ("unknown task", _cfg_case({"task": "chess"}), ConfigError, "config.task"),
+    ("unknown schedule", _cfg_case({"optim.schedule": "linear"}), ConfigError, "schedule"),
+    ("zero learning rate", _cfg_case({"optim.learning_rate": 0.0}), ConfigError, "learning_rate"),
+    ("zero checkpoint interval", _cfg_case({"checkpoint.every_steps": 0}), ConfigError,
      "every_steps"),
-    ("dataset file missing", _data_case(name="absent.jsonl"), build.ConfigError, "absent.jsonl"),
-    ("dataset file empty", _data_case(raw=b""), build.ConfigError, "empty"),
-    ("dataset missing columns", _data_case(rows=[{"question": "q", "x": 1}] * 4), build.ConfigError,
+    ("dataset file missing", _data_case(name="absent.jsonl"), ConfigError, "absent.jsonl"),
+    ("dataset file empty", _data_case(raw=b""), ConfigError, "empty"),
+    ("dataset missing columns", _data_case(rows=[{"question": "q", "x": 1}] * 4), ConfigError,
      "data.jsonl"),
-    ("dataset not JSON", _data_case(raw=b"{not json\n"), build.ConfigError, "data.jsonl"),
+    ("dataset not JSON", _data_case(raw=b"{not json\n"), ConfigError, "data.jsonl"),
     ("dataset invalid UTF-8", _data_case(raw=b'{"prompt": "\xff\xfe Answer:", "solution": "1"}\n'),
-     build.ConfigError, "data.jsonl"),
-    ("dataset wrong suffix", _data_case(rows=_good_rows(), name="data.csv"), build.ConfigError, "data.csv"),
-    ("parquet file corrupt", _data_case(raw=b"PAR1garbage", name="data.parquet"), build.ConfigError,
+     ConfigError, "data.jsonl"),
+    ("dataset wrong suffix", _data_case(rows=_good_rows(), name="data.csv"), ConfigError, "data.csv"),
+    ("parquet file corrupt", _data_case(raw=b"PAR1garbage", name="data.parquet"), ConfigError,
      "data.parquet"),
     ("every prompt too long", _data_case(rows=_good_rows(), **{"data.max_prompt_tokens": 2}),
-     build.ConfigError, "too_long"),
+     ConfigError, "too_long"),
     ("unknown data format", _data_case(rows=_good_rows(), **{"data.format": "gsm8k"}),
-     build.ConfigError, "format"),
+     ConfigError, "format"),
     ("dataset without tokenizer", lambda tmp, tok: (
         _dataset_cfg(_jsonl(tmp / "d.jsonl", _good_rows())), str(tmp / "run")),
-     build.ConfigError, "tokenizer_path"),
+     ConfigError, "tokenizer_path"),
     ("tokenizer folder missing", _data_case(rows=_good_rows(), tokenizer="/nonexistent/tok"),
-     build.ConfigError, "/nonexistent/tok"),
+     ConfigError, "/nonexistent/tok"),
     ("chat template missing", _data_case(rows=_good_rows(), **{"data.template": "chat"}),
-     build.ConfigError, "template"),
+     ConfigError, "template"),
     ("workdir under a file", lambda tmp, tok: (debug_config(), str(_jsonl(tmp / "f", [])) + "/run"),
-     build.ConfigError, "workdir"),
-    ("workdir in use by another run", _workdir_in_use, build.ConfigError,
+     ConfigError, "workdir"),
+    ("workdir in use by another run", _workdir_in_use, ConfigError,
      r"--workdir=.* is in use by another run \(pid \d+ on host \S+, started"),
 ]
 
@@ -233,7 +240,7 @@ def test_weights_folder_with_missing_tensor(tmp_path):
     weights.pop("model.layers.1.mlp.up_proj.weight")
     save_file(weights, os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
     cfg = debug_config(**{"model.init": "hf", "model.init_path": hf})
-    with pytest.raises(build.ConfigError, match="layers.1.mlp.up_proj"):
+    with pytest.raises(ConfigError, match="layers.1.mlp.up_proj"):
         train.train_and_evaluate(cfg, str(tmp_path / "run"))
 
 

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from scipy import stats
 
-from ba_jax import sampler, train
+from ba_jax import grpo, sampler
 from ba_jax.models import convert_hf, qwen
 from ba_jax.sharding import make_mesh
 from helpers_hf import make_tiny_hf
@@ -87,7 +87,7 @@ def test_logprobs_equal_full_forward_recomputation(tiny):
     graphdef, params = nnx.split(model)
     batch = dict(prompt_tokens_BT=ro.prompt_tokens, prompt_mask_BT=ro.prompt_mask,
                  tokens_BR=ro.tokens)
-    old_logp_BR, _ = jax.jit(train.policy_logprobs, static_argnums=0)(graphdef, params, batch)
+    old_logp_BR, _ = jax.jit(grpo.policy_logprobs, static_argnums=0)(graphdef, params, batch)
     np.testing.assert_allclose(ro.logprobs[m], np.asarray(old_logp_BR)[m], atol=1e-5, rtol=0)
     # and under the sampling temperature, from the full forward's logits
     logits_BTV = _forward(model, np.concatenate([ro.prompt_tokens, ro.tokens], 1),

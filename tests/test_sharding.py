@@ -101,16 +101,22 @@ def test_sharded_params_give_the_unsharded_forward():
     q = model.layers.self_attn.q_proj.kernel[...]
     assert q.sharding.spec == P(None, "fsdp", "tensor", None)
     tokens_BT = sharding.shard_batch(tokens_BT, mesh)
-    assert tokens_BT.sharding.spec == P(("data", "fsdp"), None)
+    assert tokens_BT.sharding.spec == P(("data", "fsdp"))
     assert len(tokens_BT.addressable_shards) == 8
     assert tokens_BT.addressable_shards[0].data.shape == (1, 6)
     np.testing.assert_allclose(fwd(model, tokens_BT), ref, atol=1e-5)
 
 
-def test_batch_sharding_ranks():
+def test_batch_sharding_fits_every_rank():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
-    assert sharding.batch_sharding(mesh, 1).spec == P(("data", "fsdp"))
-    assert sharding.batch_sharding(mesh, 3).spec == P(("data", "fsdp"), None, None)
-    x = sharding.shard_batch({"mask": np.ones((8, 3), np.float32)}, mesh)["mask"]
-    assert x.addressable_shards[0].data.shape == (1, 3)
+    assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"))
+    batch = sharding.shard_batch({"adv_B": np.ones(8, np.float32),
+                                  "mask_BR": np.ones((8, 3), np.float32),
+                                  "x_BRD": np.ones((8, 3, 2), np.float32)}, mesh)
+    assert batch["adv_B"].addressable_shards[0].data.shape == (1,)
+    assert batch["mask_BR"].addressable_shards[0].data.shape == (1, 3)
+    assert batch["x_BRD"].addressable_shards[0].data.shape == (1, 3, 2)
+    # rows over (data, fsdp), the rest replicated: what the explicit per-rank spec says
+    assert batch["x_BRD"].sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None, None)), 3)
 

@@ -9,14 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from ba_jax import aggregation, build, checkpoint, train
+from ba_jax import aggregation, build, checkpoint, run_config, train
 from ba_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def debug_config(**overrides):
-    return build.load_config(os.path.join(REPO, "configs", "default.py:debug"), **overrides)
+    return run_config.load_config(os.path.join(REPO, "configs", "default.py:debug"), **overrides)
 
 
 def params_of(workdir):
@@ -95,7 +95,7 @@ def test_misspelled_override_is_an_error(tmp_path):
 
 
 def test_unknown_rule_is_a_startup_error(tmp_path):
-    with pytest.raises(build.ConfigError, match="balanced_batch"):
+    with pytest.raises(run_config.ConfigError, match="balanced_batch"):
         train.train_and_evaluate(debug_config(**{"grpo.aggregation": "balancd"}), str(tmp_path))
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
@@ -155,6 +155,29 @@ def test_start_from_converted_hf_weights(tmp_path):
     for a, b in zip(expected, jax.tree.leaves(jax.device_get(state["params"]))):
         np.testing.assert_array_equal(a, b)
     assert len(read_metrics(wd)) == 1
+
+
+def test_params_only_load_equals_the_full_restore(tmp_path):
+    cfg = debug_config()
+    mesh = build.make_mesh(cfg)
+    _, params = build.init_policy(cfg, mesh)
+    tx, _ = build.make_optimizer(cfg)
+    ck = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
+    ck.save(3, train.init_state(params, tx, mesh), dict(step=3))
+    ck.save(5, train.init_state(jax.tree.map(lambda x: x + 1, params), tx, mesh), dict(step=5))
+    ck.close()
+    _, target = build.init_policy(debug_config(seed=1), mesh)  # other values, same shapes
+    for step, offset in ((None, 1), (3, 0)):
+        got, got_step = checkpoint.load_params(str(tmp_path / "checkpoints"), target, step=step)
+        assert got_step == (5 if step is None else 3)
+        for a, b, t in zip(jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(target)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b) + offset)
+            assert a.sharding == t.sharding
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
+        checkpoint.load_params(str(tmp_path / "empty"), target)
+    _, wider = build.init_policy(debug_config(**{"model.hidden_size": 48}), mesh)
+    with pytest.raises(checkpoint.CheckpointError, match=str(tmp_path / "checkpoints" / "5")):
+        checkpoint.load_params(str(tmp_path / "checkpoints"), wider)
 
 
 def nnx_params(model):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ba_jax import build, workdir_lock
+from ba_jax import run_config, workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Holds the lock, says so, then waits until stdin closes (or it is killed).
@@ -45,7 +45,7 @@ def test_second_process_is_refused_with_holder_pid_and_host(tmp_path):
                            match=rf"in use by another run \(pid {proc.pid} on host {host}, "
                                  r"started \S+Z; lock file .*run.lock\)") as info:
             workdir_lock.acquire(str(tmp_path))
-        assert isinstance(info.value, build.ConfigError)  # main.py prints it as one line
+        assert isinstance(info.value, run_config.ConfigError)  # main.py prints it as one line
         assert "\n" not in str(info.value)
     finally:
         proc.kill()  # SIGKILL: the kernel drops the lock with the process

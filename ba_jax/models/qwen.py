@@ -85,6 +85,10 @@ class ModelConfig:
     # Run-time choices, not architecture (a checkpoint does not fix them):
     attention: str = "auto"  # kernel seam implementation, see ba_jax.models.attention.IMPLS
     remat: str = "none"  # what the backward recomputes per layer: a name in REMAT_POLICIES
+    # Layers per iteration of the layer scan (lax.scan's `unroll`): 1 keeps one layer in the
+    # compiled program; >= num_layers unrolls the stack (small models, where an iteration's
+    # loop overhead and the fusion it blocks cost as much as a layer's work).
+    scan_unroll: int = 1
     bos_token_id: int | None = None  # kept for export only
     eos_token_id: int | tuple[int, ...] | None = None  # kept for export only
 
@@ -98,6 +102,8 @@ class ModelConfig:
                              f"{', '.join(attention_lib.IMPLS)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"model.remat={self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+        if not (isinstance(self.scan_unroll, int) and self.scan_unroll >= 1):
+            raise ValueError(f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1")
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -406,7 +412,8 @@ class Qwen(nnx.Module):
 
     def _scan_layers(self, body, x, xs, remat: str = "none"):
         """lax.scan of body(layer, x, xs_l) -> (x, ys_l) over the stacked layers, the remat
-        policy applied to one layer (the scanned body), so the program holds one layer."""
+        policy applied to one layer (the scanned body), so the program holds one layer
+        (`config.scan_unroll` layers per iteration)."""
         graphdef, state = nnx.split(self.layers)
 
         def step(x, xs_l):
@@ -416,7 +423,8 @@ class Qwen(nnx.Module):
         policy = REMAT_POLICIES[remat]
         if policy is not None:
             step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-        return lax.scan(step, x, (state, xs))
+        unroll = min(self.config.scan_unroll, self.config.num_layers)
+        return lax.scan(step, x, (state, xs), unroll=unroll)
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  attn_mask_BT: jax.Array | None = None, *, logits_slice: slice | None = None,

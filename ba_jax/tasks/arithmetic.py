@@ -7,9 +7,10 @@ examples. What does not: training (train.py) and scoring (rewards/math.py, whose
 `dapo_reward` judges these responses exactly as it judges DAPO-Math-17k).
 
 Why a warm-up: a random policy never writes `Answer: N`, so RL would see no reward at
-all. The trainer's warm-up (train._warmup) trains on `Answer: N` targets, the true N with
-probability `warmup_correct_frac` (else a random one), and stops once the policy's
-probability of the true answer reaches `warmup_target_accuracy`; RL starts from there.
+all. The trainer's warm-up (`tasks/warmup.warm_up`) trains on `Answer: N` targets, the
+true N with probability `warmup_correct_frac` (else a random one), and stops once the
+policy's probability of the true answer reaches `warmup_target_accuracy`; RL starts from
+there.
 (Pure format-only warm-ups, correct_frac 0, were tried: RL from chance accuracy collapsed
 onto a few popular answers instead of learning the sums.)
 """

@@ -7,9 +7,10 @@
 tokenizer, and a warm-started policy checkpoint; `all` prepares one warm-up per setting
 (shared by its seeds; `--warmup_per_seed` for one per seed), then runs every (setting,
 seed, rule) with `python -m ba_jax.main` two at a time, skips runs whose metrics are
-complete, and finally calls analyze.py. The warm-up lives here, not in the trainer
-(whose supervised warm-up is specific to the arithmetic task): every rule of a setting
-starts from the same checkpoint, so runs differ only in the rule and the RL seed.
+complete, and finally calls analyze.py. The warm-up loop lives here, on the supervised
+step of ba_jax/tasks/warmup.py (whose own loop, `warm_up`, is the arithmetic task's): every
+rule of a setting starts from the same checkpoint, so runs differ only in the rule and the
+RL seed.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def warm_start(setting: str, seed: int, root: str, *, steps: int, batch_size: in
     import optax
     from flax import nnx
 
-    from ba_jax import build, train
+    from ba_jax import build
     from ba_jax.models import convert_hf
-    from ba_jax.tasks import arithmetic
+    from ba_jax.tasks import arithmetic, warmup
 
     task = length_task.SETTINGS[setting]
     cfg = load_config(setting)
@@ -74,17 +75,17 @@ def warm_start(setting: str, seed: int, root: str, *, steps: int, batch_size: in
     tx = optax.adam(optax.cosine_decay_schedule(learning_rate, steps, alpha=0.1))
     opt_state = tx.init(params)
     Tp = max(len(p) for p in prompt_set.prompt_ids)
-    # The trainer's supervised step; p_target is the probability of the exact right
+    # The embedded task's supervised step; p_target is the probability of the exact right
     # response on rows whose target is it.
-    step = train.make_sft_step(graphdef, tx)
+    step = warmup.make_sft_step(graphdef, tx)
     rng = np.random.default_rng([seed, 11])
     t0, log = time.time(), []
     for it in range(1, steps + 1):
         idx = rng.integers(len(problems), size=batch_size)
         texts, right_B = length_task.warmup_responses(rng, [problems[i] for i in idx], task)
-        b = train.sft_batch([prompt_set.prompt_ids[j] for j in idx], texts, tokenizer,
-                            prompt_len=Tp, response_len=cfg.rollout.max_new_tokens,
-                            target_B=right_B)
+        b = warmup.sft_batch([prompt_set.prompt_ids[j] for j in idx], texts, tokenizer,
+                             prompt_len=Tp, response_len=cfg.rollout.max_new_tokens,
+                             target_B=right_B)
         params, opt_state, loss, p_right = step(params, opt_state, b)
         if it % 100 == 0 or it == steps:
             log.append(dict(step=it, loss=float(loss), p_right=float(p_right)))

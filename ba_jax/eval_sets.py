@@ -1,4 +1,5 @@
-"""Evaluation benchmark files -> problems: the paper's five math sets and LiveCodeBench.
+"""Evaluation sets: local benchmark files -> problems (the paper's five math sets and
+LiveCodeBench).
 
 Lives here: `BENCHMARKS` (names and kinds), `find_benchmark_file` (where a benchmark's file
 sits in a folder), `load_benchmark` (one local JSONL / parquet file -> `Benchmark`), and the
@@ -8,9 +9,9 @@ LiveCodeBench test-case parsing. Not here: prompt templates, sampling, scoring a
 Files are read through Hugging Face `datasets` with `HF_DATASETS_OFFLINE=1`: nothing is
 fetched, and its progress bars stay off (`data.load_local_dataset`). Column names match
 case-insensitively, so the capitalised mirrors of the AIME sets (`Problem`, `Answer`) read
-too. Every row not kept is counted in `Benchmark.stats` under one reason, so
-`rows_read == kept + sum(skip counts)`. The expected columns per benchmark are documented
-in docs/evaluation.md.
+too. Every row not kept is counted in `Benchmark.stats` under one reason (`data.Skip`, as
+for training data), so `rows_read == kept + sum(skip counts)`. The expected columns per
+benchmark are documented in docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pickle
 import zlib
 from typing import Any
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before `datasets` reads its config
+from ba_jax.data import Skip, load_local_dataset
 
 # name -> kind. The order is fixed: it also numbers each benchmark's PRNG stream.
 BENCHMARKS: dict[str, str] = {
@@ -68,12 +69,6 @@ class Benchmark:
         return len(self.problems)
 
 
-class _Skip(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 def find_benchmark_file(bench_dir: str, name: str) -> str:
     """`bench_dir/<name>.jsonl`, `.parquet` or `.json`; exactly one must exist."""
     if name not in BENCHMARKS:
@@ -90,8 +85,6 @@ def find_benchmark_file(bench_dir: str, name: str) -> str:
 
 
 def _read_table(path: str):
-    from ba_jax.data import load_local_dataset
-
     if os.path.getsize(path) == 0:
         raise ValueError(f"benchmark file is empty: {path}")
     builder = "parquet" if path.endswith(".parquet") else "json"
@@ -110,14 +103,14 @@ def _column(columns: list[str], candidates: tuple[str, ...]) -> str | None:
 def _text(value: Any, reason: str) -> str:
     """A non-empty string; numbers are written out (AIME answers are often integers)."""
     if isinstance(value, bool) or value is None:
-        raise _Skip(reason)
+        raise Skip(reason)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, (str, int, float)):
-        raise _Skip("malformed")
+        raise Skip("malformed")
     text = str(value).strip()
     if not text:
-        raise _Skip(reason)
+        raise Skip(reason)
     return text
 
 
@@ -128,7 +121,7 @@ def _gold(value: Any) -> str:
         items = [_text(v, "no_answer").strip("$ ").strip() for v in value]
         items = [i for i in items if i]
         if not items:
-            raise _Skip("no_answer")
+            raise Skip("no_answer")
         return ", ".join(items)
     return _text(value, "no_answer")
 
@@ -146,7 +139,7 @@ def _math_row(row: dict[str, Any], cols: dict[str, str | None]) -> tuple[str, st
         boxed = extract_boxed(solution) if isinstance(solution, str) else None
         if boxed:
             return question, boxed
-    raise _Skip("no_answer")
+    raise Skip("no_answer")
 
 
 class _StringsOnly(pickle.Unpickler):
@@ -192,7 +185,7 @@ def _code_row(row: dict[str, Any], cols: dict[str, str | None], stats: dict[str,
         if cols["private"] is not None:
             cases += parse_test_cases(row[cols["private"]])
     except ValueError as e:
-        raise _Skip("malformed") from e
+        raise Skip("malformed") from e
     tests, functional = [], 0
     for case in cases:
         kind = case.get("testtype", "stdin")
@@ -201,11 +194,11 @@ def _code_row(row: dict[str, Any], cols: dict[str, str | None], stats: dict[str,
             continue
         if kind != "stdin" or not isinstance(case.get("input"), str) \
                 or not isinstance(case.get("output"), str):
-            raise _Skip("malformed")
+            raise Skip("malformed")
         tests.append({"input": case["input"], "output": case["output"]})
     stats["functional_tests_skipped"] += functional
     if not tests:
-        raise _Skip("no_stdin_tests")
+        raise Skip("no_stdin_tests")
     return question, tuple(tests)
 
 
@@ -250,7 +243,7 @@ def load_benchmark(name: str, path: str, *, limit: int = 0) -> Benchmark:
                 answer = None
             else:
                 (question, answer), tests = _math_row(row, cols), ()
-        except _Skip as skip:
+        except Skip as skip:
             stats[skip.reason] += 1
             continue
         pid = row[id_col] if id_col is not None and row[id_col] is not None else index

@@ -1,0 +1,180 @@
+"""The experiment config: loading a config file, checking it before any work, typed reads.
+
+What lives here: `ConfigError` (a configuration that cannot run; `main.py`, `evaluate.py`
+and `plan.py` print it as one line), `load_config` (a `get_config(arg)` file with dotted
+overrides), `validate` and `check_workdir` (every problem a user could be told about before
+the first step), and the typed values the checks are made of and the rest of the run is
+built from: `DTYPES`, `mesh_axes`, `runtime_options`, `model_config`. What does not: making
+the run's parts, which touches devices and files (build.py).
+
+Why these reads live beside the checks rather than in build.py: `validate` needs them, and
+build.py raises `ConfigError`, so the checks sit below the builder and import nothing of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ba_jax import aggregation, grpo, sharding
+from ba_jax.models import attention, qwen
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the option."""
+
+
+def require(ok: bool, msg: str) -> None:
+    """Raise `ConfigError(msg)` unless `ok`."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def load_config(spec: str, **overrides: Any):
+    """`get_config(arg)` of a config file named `path[:arg]`, with dotted-key overrides.
+
+    `load_config("configs/default.py:debug", **{"grpo.aggregation": "token"})` gives what
+    `--config=configs/default.py:debug --config.grpo.aggregation=token` gives on the
+    command line; an unknown key is an error, as with the locked command-line config.
+    """
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("ba_jax_config_file", path)
+    if module_spec is None or not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    cfg = module.get_config(arg or None)
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        if leaf not in node:
+            raise ConfigError(f"{spec}: unknown config key {key!r}")
+        node[leaf] = value
+    return cfg
+
+
+def check_workdir(workdir: str) -> None:
+    """The run folder must be creatable and writable (checked before any work)."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--workdir={workdir!r} is not a writable folder: {e}") from e
+
+
+def validate(cfg: Any, num_devices: int) -> None:
+    """Fail before any work for every option a run could only trip over later."""
+    g, r = cfg.grpo, cfg.rollout
+    try:
+        aggregation.resolve_rule(g.aggregation)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"config.grpo.aggregation: {e}") from e
+    require(g.advantage in grpo.ADVANTAGE_ESTIMATORS,
+            f"config.grpo.advantage={g.advantage!r}; valid: {', '.join(grpo.ADVANTAGE_ESTIMATORS)}")
+    require(g.kl_kind in ("none",) + grpo.KL_KINDS,
+            f"config.grpo.kl_kind={g.kl_kind!r}; valid: none, {', '.join(grpo.KL_KINDS)}")
+    require(cfg.model.dtype in DTYPES and cfg.model.param_dtype in DTYPES,
+            f"config.model.dtype/param_dtype must be one of {sorted(DTYPES)}")
+    require(cfg.model.attention in attention.IMPLS,
+            f"config.model.attention={cfg.model.attention!r}; valid: {', '.join(attention.IMPLS)}")
+    require(cfg.model.remat in qwen.REMAT_POLICIES,
+            f"config.model.remat={cfg.model.remat!r}; valid: {', '.join(qwen.REMAT_POLICIES)}")
+    require(isinstance(cfg.model.scan_unroll, int) and cfg.model.scan_unroll >= 1,
+            f"config.model.scan_unroll={cfg.model.scan_unroll!r} must be an integer >= 1")
+    require(cfg.model.init in ("random", "hf", "checkpoint"),
+            f"config.model.init={cfg.model.init!r}; valid: random, hf, checkpoint")
+    if cfg.model.init != "random":
+        require(os.path.isdir(cfg.model.init_path),
+                f"config.model.init_path={cfg.model.init_path!r} is not a folder")
+    require(cfg.task in ("arithmetic", "dataset"),
+            f"config.task={cfg.task!r}; valid: arithmetic, dataset")
+    if cfg.task == "dataset":
+        require(os.path.isfile(cfg.data.path), f"config.data.path={cfg.data.path!r}: no such file")
+        require(bool(cfg.tokenizer_path) or cfg.model.init == "hf",
+                "config.tokenizer_path is required for task=dataset (or model.init=hf)")
+    for name in ("prompts_per_step", "num_samples", "max_new_tokens"):
+        require(getattr(r, name) >= 1, f"config.rollout.{name} must be >= 1")
+    for name in ("num_updates", "num_minibatches", "num_microbatches"):
+        require(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
+    require(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
+            f"config.rollout.sample_shards={r.sample_shards} must divide "
+            f"config.rollout.prompts_per_step={r.prompts_per_step}")
+    require(r.sample_shards % jax.process_count() == 0,
+            f"config.rollout.sample_shards={r.sample_shards} must be a multiple of the "
+            f"{jax.process_count()} processes (each process samples whole shards)")
+    require((r.prompts_per_step // r.sample_shards) % g.num_minibatches == 0,
+            f"config.grpo.num_minibatches={g.num_minibatches} must divide the "
+            f"{r.prompts_per_step // r.sample_shards} prompts of a sampling shard "
+            "(mini-batches hold whole groups from every shard)")
+    rows = r.prompts_per_step // g.num_minibatches * r.num_samples
+    require(rows % g.num_microbatches == 0,
+            f"config.grpo.num_microbatches={g.num_microbatches} must divide the {rows} rows of a "
+            "mini-batch")
+    mesh_shape = mesh_axes(cfg, num_devices)
+    dp = mesh_shape["data"] * mesh_shape["fsdp"]
+    require((rows // g.num_microbatches) % dp == 0,
+            f"micro-batch rows ({rows // g.num_microbatches}) must be divisible by data*fsdp={dp} "
+            "devices")
+    require(cfg.rollout.temperature >= 0, "config.rollout.temperature must be >= 0")
+    require(0 < cfg.rollout.top_p <= 1, "config.rollout.top_p must be in (0, 1]")
+    require(cfg.num_train_steps >= 0, "config.num_train_steps must be >= 0")
+    require(cfg.checkpoint.every_steps >= 1, "config.checkpoint.every_steps must be >= 1")
+    require(cfg.checkpoint.max_to_keep >= 1, "config.checkpoint.max_to_keep must be >= 1")
+    require(cfg.optim.schedule in ("constant", "cosine"),
+            f"config.optim.schedule={cfg.optim.schedule!r}; valid: constant, cosine")
+    require(cfg.optim.learning_rate > 0, "config.optim.learning_rate must be > 0")
+    require(cfg.max_consecutive_nonfinite >= 1, "config.max_consecutive_nonfinite must be >= 1")
+    if cfg.model.preset:
+        require(cfg.model.preset in qwen.PRESETS, f"config.model.preset={cfg.model.preset!r}; "
+                f"valid: {', '.join(sorted(qwen.PRESETS))}")
+    elif cfg.model.init == "random":
+        try:
+            model_config(cfg)
+        except ValueError as e:
+            raise ConfigError(f"config.model: {e}") from e
+
+
+def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:
+    """The config's mesh with one -1 resolved to the remaining devices."""
+    try:
+        return sharding.resolve_mesh_shape({a: cfg.mesh[a] for a in sharding.MESH_AXES},
+                                           num_devices, exact=True)
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from e
+
+
+def runtime_options(cfg: Any) -> dict[str, Any]:
+    """The ModelConfig fields a run chooses whatever the weights: attention kernel, remat,
+    layers per scan iteration."""
+    return dict(attention=cfg.model.attention, remat=cfg.model.remat,
+                scan_unroll=cfg.model.scan_unroll)
+
+
+def model_config(cfg: Any) -> qwen.ModelConfig:
+    """ModelConfig from a preset name or the explicit fields of config.model."""
+    m = cfg.model
+    if m.preset:
+        require(m.preset in qwen.PRESETS,
+                f"config.model.preset={m.preset!r}; valid: {', '.join(sorted(qwen.PRESETS))}")
+        return dataclasses.replace(qwen.PRESETS[m.preset], **runtime_options(cfg))
+    return qwen.ModelConfig(
+        arch=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=m.rope_theta,
+        rms_norm_eps=m.rms_norm_eps, max_position_embeddings=m.max_position_embeddings,
+        use_tied_embeddings=m.tie_word_embeddings, use_qkv_bias=m.arch == "qwen2",
+        use_o_bias=False, use_qk_norm=m.arch == "qwen3", **runtime_options(cfg),
+    )
