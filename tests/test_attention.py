@@ -180,10 +180,12 @@ def test_chunked_skips_blocks_above_diagonal(T, bq, bk):
 # ---------------------------------------------------------------- cudnn
 
 
-def test_cudnn_wrapper_on_cpu():
-    """The rotation (valid tokens first, PADDING_CAUSAL by lengths, rotate back) gives
-    the reference semantics; jax's xla SDPA stands in for the cuDNN kernel."""
-    q, k, v, ct, valid = make_inputs(5, 24, 4, 2, 16)
+@pytest.mark.parametrize("T", [24, 23])
+def test_cudnn_wrapper_on_cpu(T):
+    """The rotation (valid tokens first, PADDING_CAUSAL by lengths, rotate back) and the
+    padding to cuDNN's even lengths (T=23 is a trainer row: 16 + 8 - 1) give the reference
+    semantics; jax's xla SDPA stands in for the cuDNN kernel."""
+    q, k, v, ct, valid = make_inputs(5, T, 4, 2, 16)
     want = out_and_grads(ref_fn(valid), q, k, v, ct)
     got = out_and_grads(lambda q, k, v: A._cudnn(q, k, v, valid, sdpa_impl="xla"), q, k, v, ct)
     assert_matches(got, want, 1e-5)

@@ -1,15 +1,19 @@
 """End-to-end trainer tests on the tiny `debug` config: every rule, resume, sharding, config errors."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-from ba_jax import aggregation, build, checkpoint, run_config, train
+from ba_jax import aggregation, build, checkpoint, run_config, sharding, train
 from ba_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,3 +202,51 @@ def test_plot_command_overlays_runs(tmp_path):
     out = tmp_path / "plots"
     plot.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
     assert sorted(os.listdir(out)) == ["accuracy.png", "response_length_mean.png", "reward_mean.png"]
+
+
+def _abstract_batch(cfg, mesh):
+    """ShapeDtypeStructs of one mini-batch with the train step's row sharding."""
+    P, G, R = cfg.rollout.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.max_new_tokens
+    B, Tp = P * G, 16
+    row = sharding.batch_sharding(mesh)
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=row)
+
+    return dict(prompt_tokens_BT=sds((B, Tp), jnp.int32), prompt_mask_BT=sds((B, Tp), jnp.int32),
+                tokens_BR=sds((B, R), jnp.int32), mask_BR=sds((B, R), jnp.float32),
+                old_logp_BR=sds((B, R), jnp.float32), adv_B=sds((B,), jnp.float32),
+                group_id_B=sds((B,), jnp.int32))
+
+
+@pytest.mark.parametrize("impl, platform, devices, forward, backward", [
+    ("splash", "tpu", 8, "tpu_custom_call", None),
+    ("cudnn", "cuda", 1, "@__cudnn$fmhaSoftmax(", "@__cudnn$fmhaSoftmaxBackward("),
+    # on several devices jax wraps the cuDNN calls in their custom partitioner, which XLA's
+    # SPMD partitioner expands on the GPU: the lowered text shows the wrapper only
+    ("cudnn", "cuda", 8, "@CustomSPMDPartitioning(", "@CustomSPMDPartitioning("),
+])
+def test_train_step_lowers_for_accelerators(impl, platform, devices, forward, backward):
+    """The real jitted train step (bf16, rows over the devices) lowers for the platform whose
+    kernel it names, with that kernel in its forward and its backward. The CPU jaxlib has no
+    CUDA plugin, so jax's trace-time cuDNN version query is stood in for (as in
+    test_attention); compiling (Mosaic, cuDNN) only happens on the hardware."""
+    cfg = debug_config(**{"model.attention": impl, "model.dtype": "bfloat16",
+                          "mesh.data": devices})
+    mesh = build.make_mesh(cfg, jax.devices()[:devices])
+    graphdef, params = build.init_policy(cfg, mesh)
+    tx, _ = build.make_optimizer(cfg)
+    state = train.init_state(params, tx, mesh)
+    step = train.make_train_step(cfg, graphdef, tx, state, mesh,
+                                 num_groups=cfg.rollout.prompts_per_step)
+    patch = (mock.patch.object(cudnn_fa, "check_cudnn_version", return_value=90800)
+             if impl == "cudnn" else contextlib.nullcontext())
+    with patch:
+        text = step.trace(state, _abstract_batch(cfg, mesh)).lower(
+            lowering_platforms=(platform,)).as_text()
+    if backward is None:  # splash: the forward kernel, then the backward's dq and dkv kernels
+        assert text.count(forward) >= 3, text.count(forward)
+    elif forward == backward:  # one wrapper per call: the forward's and the backward's
+        assert text.count(forward) >= 2, text.count(forward)
+    else:
+        assert text.count(forward) >= 1 and text.count(backward) >= 1

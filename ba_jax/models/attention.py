@@ -302,7 +302,13 @@ def _cudnn(
             f"model.attention='cudnn' needs bfloat16 or float16 activations, got "
             f"{q_BTNH.dtype}; use 'chunked' (or 'auto') for float32"
         )
-    T = valid_BT.shape[1]
+    T_in = valid_BT.shape[1]
+    # cuDNN's training kernels with padding need even lengths (jax checks T % 2 at trace time);
+    # pad to a multiple of 64, its tile, with invalid tokens at the end (a trainer row is
+    # Tp + R - 1 tokens, odd for even buckets): they are masked by the lengths and sliced off.
+    T = _round_up(T_in, 64)
+    q_BTNH, k_BTKH, v_BTKH = (_pad_time(x, T) for x in (q_BTNH, k_BTKH, v_BTKH))
+    valid_BT = _pad_time(valid_BT, T, False)
     n_valid_B = valid_BT.sum(axis=1, dtype=jnp.int32)
     shift_B1 = jnp.argmax(valid_BT, axis=1).astype(jnp.int32)[:, None]  # leading pads
     t_1T = jnp.arange(T)[None]
@@ -325,7 +331,8 @@ def _cudnn(
         implementation=sdpa_impl,
     )
     o_BTNH = jnp.take_along_axis(o_BTNH, from_rot_BT11, axis=1)
-    return jnp.where(valid_BT[:, :, None, None], o_BTNH, 0).astype(q_BTNH.dtype)
+    o_BTNH = jnp.where(valid_BT[:, :, None, None], o_BTNH, 0).astype(q_BTNH.dtype)
+    return o_BTNH[:, :T_in]
 
 
 # ---------------------------------------------------------------- splash (TPU)
