@@ -331,3 +331,33 @@ def diagnostics(
     opts.update(options)
     options = tuple(sorted(opts.items()))
     return _diagnostics(fn, mask_BT, adv_B, group_id_B, int(num_groups), options)
+
+
+def check_rule(rule: str | Rule, **options: Any) -> None:
+    """Run `rule` once on a small synthetic batch the way the trainer does (jitted, with
+    `options`) and raise ValueError saying what is wrong: it raises, does not take
+    `**options`, returns None or an array not shaped (B,) or (B, T), or gives a
+    non-finite weight. Six rows in two groups, mixed advantage signs, varied lengths."""
+    mask_BT = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
+                           [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], jnp.int32)
+    adv_B = jnp.asarray([1.0, -0.5, -0.5, 0.8, -0.8, 0.0], jnp.float32)
+    group_id_B = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)
+    batch = "a synthetic batch of 6 rows x 5 tokens in 2 groups"
+    try:
+        fn = resolve_rule(rule)
+        out = jax.eval_shape(lambda m, a, g: fn(m, a, g, 2, **options), mask_BT, adv_B, group_id_B)
+    except TypeError as e:
+        raise ValueError(f"fails on {batch}: TypeError: {e} (a rule is called as "
+                         f"fn(mask_BT, adv_B, group_id_B, num_groups, **options) with options "
+                         f"{sorted(options)}; declare **options)") from e
+    except Exception as e:  # noqa: BLE001 - whatever a user's rule raises, said at start-up
+        raise ValueError(f"fails on {batch}: {type(e).__name__}: {e}") from e
+    if out is None:
+        raise ValueError(f"returned None on {batch}; it must return w_BT (6, 5) or c_B (6,)")
+    shape = getattr(out, "shape", None)
+    if shape not in ((6,), (6, 5)):
+        got = f"shape {tuple(shape)}" if shape is not None else type(out).__name__
+        raise ValueError(f"returned {got} on {batch}; expected w_BT (6, 5) or c_B (6,)")
+    w_BT = token_weights(fn, mask_BT, adv_B, group_id_B, 2, **options)
+    if not bool(jnp.all(jnp.isfinite(w_BT))):
+        raise ValueError(f"gives non-finite weights on {batch}: {jax.device_get(w_BT).tolist()}")

@@ -43,6 +43,30 @@ def load_tokenizer(cfg: Any, workdir: str):
         raise run_config.ConfigError(f"tokenizer at {path!r} cannot be loaded: {e}") from e
 
 
+def check_tokenizer_fits(cfg: Any, tokenizer, vocab_size: int, eos_ids) -> None:
+    """Every id the tokenizer can produce (its vocabulary, special, pad and EOS ids) must
+    be a row of the model's embedding: an id past `vocab_size` gives NaN logits."""
+    special = {"pad": tokenizer.pad_token_id, "EOS": max(eos_ids, default=None),
+               "special": max(tokenizer.all_special_ids, default=None)}
+    n = len(tokenizer)
+    largest = max([n - 1, *tokenizer.get_vocab().values()]
+                  + [i for i in special.values() if i is not None])
+    if largest < vocab_size:
+        return
+    over = ", ".join(f"{k} id {i}" for k, i in special.items() if i is not None and i >= vocab_size)
+    if cfg.model.init == "random":
+        source = (f"config.model.preset={cfg.model.preset!r}" if cfg.model.preset
+                  else "config.model.vocab_size")
+    else:
+        source = f"config.model.init_path={cfg.model.init_path!r} (init={cfg.model.init})"
+    name = cfg.tokenizer_path or getattr(tokenizer, "name_or_path", "") or "the run's tokenizer"
+    raise run_config.ConfigError(
+        f"tokenizer {name!r} has {n} tokens (largest id {largest}"
+        f"{'; ' + over if over else ''}) but the model's vocabulary has {vocab_size} ({source}): "
+        "ids past it give NaN logits; use the model's own tokenizer (config.tokenizer_path) "
+        f"or a model with vocab_size >= {largest + 1}")
+
+
 def load_prompt_set(cfg: Any, tokenizer, workdir: str) -> data.PromptDataset:
     """The prompt set: generated arithmetic problems, or a local dataset file."""
     if cfg.task == "arithmetic":

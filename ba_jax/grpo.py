@@ -108,6 +108,43 @@ def token_entropy(logits_BTV: jax.Array) -> jax.Array:
     return lse_BT - jnp.sum(p_BTV * x_BTV, axis=-1)
 
 
+def head_logprobs(head_fn: Callable[[jax.Array], jax.Array], x_BRD: jax.Array,
+                  tokens_BR: jax.Array, *, chunk: int, with_entropy: bool = False):
+    """Log-probs (and entropies) of `tokens_BR` from final hidden states, the head run over
+    chunks of `chunk` positions -> (logp_BR float32, ent_BR float32 or None).
+
+    `head_fn(x_BcD) -> logits_BcV` is the model's output head (norm + projection). The
+    chunks run in a `lax.scan`, each under `jax.checkpoint`, so neither pass ever holds more
+    than one chunk's [B, chunk, V] logits: the forward keeps only the chunk's hidden states,
+    the backward recomputes its logits and leaves their cotangent in the head's weight
+    gradient (summed over chunks in float32). Positions past the last whole chunk run as one
+    shorter chunk; `chunk` 0 or >= R is the unchunked computation. Values and gradients
+    equal the unchunked path's (tests: both dtypes, tied and untied heads, ragged chunks).
+    """
+    B, R, _ = x_BRD.shape
+    tokens_BR = tokens_BR.astype(jnp.int32)
+
+    def one(x_BcD, t_Bc):
+        logits_BcV = head_fn(x_BcD)
+        ent_Bc = token_entropy(jax.lax.stop_gradient(logits_BcV)) if with_entropy else None
+        return token_logprobs(logits_BcV, t_Bc), ent_Bc
+
+    if not chunk or chunk >= R:
+        return one(x_BRD, tokens_BR)
+    one = jax.checkpoint(one)
+    n = R // chunk
+    split = lambda a: jnp.swapaxes(a[:, :n * chunk].reshape(B, n, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
+    _, (logp_nBc, ent_nBc) = jax.lax.scan(lambda c, xs: (c, one(*xs)), None,
+                                          (split(x_BRD), split(tokens_BR)))
+    join = lambda a: jnp.swapaxes(a, 0, 1).reshape(B, n * chunk)  # noqa: E731
+    logp_BR, ent_BR = join(logp_nBc), None if ent_nBc is None else join(ent_nBc)
+    if n * chunk < R:  # the ragged tail
+        logp_Bt, ent_Bt = one(x_BRD[:, n * chunk:], tokens_BR[:, n * chunk:])
+        logp_BR = jnp.concatenate([logp_BR, logp_Bt], axis=1)
+        ent_BR = None if ent_BR is None else jnp.concatenate([ent_BR, ent_Bt], axis=1)
+    return logp_BR, ent_BR
+
+
 def sequence_inputs(prompt_tokens_BT, prompt_mask_BT, tokens_BR):
     """Model inputs for `[prompt | response]` minus the last slot, and its positions/mask."""
     tokens_BS = jnp.concatenate([prompt_tokens_BT, tokens_BR], axis=1)[:, :-1]
@@ -121,16 +158,16 @@ def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
     """Log-probs (and entropies) of the response tokens under the policy `params`.
 
     `batch` holds left-padded `prompt_tokens_BT` / `prompt_mask_BT` and the R response
-    slots `tokens_BR`; the logits are computed for response positions only.
+    slots `tokens_BR`; the head runs on response positions only, in chunks of the model's
+    `logits_chunk` positions (`head_logprobs`).
     """
     model = nnx.merge(graphdef, params)
     Tp = batch["prompt_tokens_BT"].shape[1]
     tokens_BS, positions_BS, attn_BS = sequence_inputs(
         batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
-    logits_BRV = model(tokens_BS, positions_BS, attn_BS, logits_slice=slice(Tp - 1, None))
-    logp_BR = token_logprobs(logits_BRV, batch["tokens_BR"])
-    ent_BR = token_entropy(jax.lax.stop_gradient(logits_BRV)) if with_entropy else None
-    return logp_BR, ent_BR
+    x_BSD, _ = model.hidden_states(tokens_BS, positions_BS, attn_BS)
+    return head_logprobs(model.logits, x_BSD[:, Tp - 1:], batch["tokens_BR"],
+                         chunk=model.config.logits_chunk, with_entropy=with_entropy)
 
 
 def clipped_surrogate(
@@ -242,6 +279,46 @@ def _accumulator(x: jax.Array) -> jax.Array:
     return jnp.zeros(x.shape, dtype)
 
 
+def split_microbatches(batch: Any, num_microbatches: int) -> Any:
+    """`batch` (leaves with leading row dim B) -> leaves [k, B // k, ...]; micro-batch j
+    holds rows j, j+k, j+2k, ...: a row-sharded batch keeps every micro-batch spread over
+    all devices. `join_microbatches` inverts it."""
+    k = int(num_microbatches)
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the row dim: {sorted(sizes)}")
+    (rows,) = sizes
+    if k < 1 or rows % k:
+        raise ValueError(f"num_microbatches={k} must be >= 1 and divide the batch's {rows} rows")
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(rows // k, k, *x.shape[1:]), 0, 1),
+                        batch)
+
+
+def join_microbatches(micro: Any) -> Any:
+    """Inverse of `split_microbatches`: leaves [k, B // k, ...] -> [B, ...] in row order."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), micro)
+
+
+def reference_logprobs(graphdef, ref_params, batch, num_microbatches: int) -> jax.Array:
+    """Response log-probs under the frozen reference policy, one micro-batch at a time
+    (the policy's split), so the reference forward never holds more rows than a policy
+    micro-batch does -> logp_BR float32."""
+    micro = split_microbatches(batch, num_microbatches)
+    logp_kbR = jax.lax.map(lambda mb: policy_logprobs(graphdef, ref_params, mb)[0], micro)
+    return join_microbatches(logp_kbR)
+
+
+def compute_copy(params: Any, dtype) -> Any:
+    """A frozen copy of `params` for forward passes only: every matrix (ndim >= 2: the
+    projections and the embedding) in the compute `dtype`, vectors (norm scales, biases)
+    kept, so the copy's forward equals the policy's in that dtype. Elementwise, so each
+    leaf keeps its sharding; a fresh buffer, so it outlives the donation of `params`."""
+    def one(p):
+        return p.astype(dtype) if p.ndim >= 2 else jnp.copy(p)
+
+    return jax.tree.map(one, params)
+
+
 def accumulate_gradients(
     loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]],
     params: Any,
@@ -252,25 +329,14 @@ def accumulate_gradients(
 
     `batch` is a pytree of arrays with leading row dim B whose aggregation weights were
     computed on the whole batch, so the sum equals the full-batch result exactly.
-    Micro-batch j holds rows j, j+k, j+2k, ...: a row-sharded batch keeps every
-    micro-batch spread over all devices.
+    Micro-batches as `split_microbatches`.
     """
     k = int(num_microbatches)
-    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1:
-        raise ValueError(f"batch leaves disagree on the row dim: {sorted(sizes)}")
-    (rows,) = sizes
-    if k < 1 or rows % k:
-        raise ValueError(f"num_microbatches={k} must be >= 1 and divide the batch's {rows} rows")
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    micro = split_microbatches(batch, k)
     if k == 1:
         (loss, aux), grads = grad_fn(params, batch)
         return loss, grads, aux
-
-    def split(x):
-        return jnp.swapaxes(x.reshape(rows // k, k, *x.shape[1:]), 0, 1)
-
-    micro = jax.tree.map(split, batch)
     first = jax.tree.map(lambda x: x[0], micro)
     out_shape = jax.eval_shape(grad_fn, params, first)
     init = jax.tree.map(_accumulator, out_shape)

@@ -43,6 +43,7 @@ from flax import nnx, struct
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ba_jax import grpo
 from ba_jax.models import qwen
 from ba_jax.sharding import BATCH_AXES
 
@@ -165,9 +166,10 @@ def sample_logits(
             w_tok_B = jnp.take_along_axis(w_BV, token_B[:, None], -1)[:, 0]
             total_B = jnp.sum(w_BV, -1)
         sampling_logp_B = jnp.log(w_tok_B) - jnp.log(total_B)
-    logit_B = jnp.take_along_axis(logits_BV, token_B[:, None], -1)[:, 0]
-    logp_B = logit_B - jax.nn.logsumexp(logits_BV, -1)
-    return token_B.astype(jnp.int32), logp_B, sampling_logp_B
+    token_B = token_B.astype(jnp.int32)
+    # the trainer's scoring code (grpo.head_logprobs) on the one new position
+    logp_B = grpo.token_logprobs(logits_BV[:, None], token_B[:, None])[:, 0]
+    return token_B, logp_B, sampling_logp_B
 
 
 # ----------------------------------------------------------------------------- the loop

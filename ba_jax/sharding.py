@@ -1,9 +1,10 @@
-"""Device mesh and parameter shardings, as data.
+"""Device mesh, parameter and activation shardings, as data.
 
 Lives here: the mesh axes (`data`, `fsdp`, `tensor`), `make_mesh`, the ordered regex table
-from parameter path to logical axes (`PARAM_AXES`), the logical -> mesh rules
-(`DEFAULT_RULES`), `param_shardings` and the batch-row sharding helpers. Not here: how a
-trainer or sampler jits with these shardings.
+from parameter path to logical axes (`PARAM_AXES`), the one logical -> mesh rules table for
+parameters and activations (`DEFAULT_RULES`), `param_shardings`, `constrain` (the model's
+activation constraints) and the batch-row sharding helpers. Not here: how a trainer or
+sampler jits with these shardings.
 
 A parameter path is its nnx state path joined with dots, e.g.
 `layers.self_attn.q_proj.kernel` (decoder layers are stacked on a
@@ -44,7 +45,11 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"lm_head\.kernel", ("embed", "vocab")),
 )
 
-# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated), for parameters
+# and (`act_*`) activations alike. Under FSDP a weight is split on its hidden dimension
+# (`embed`) while an activation is split on its rows (`act_batch`) and keeps its hidden
+# dimension whole: each layer gathers its weights, never the batch. `tensor` splits heads,
+# the MLP width and the vocabulary of both.
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,  # the stacked decoder layers' axis: scanned over, never split by default
     "vocab": "tensor",
@@ -54,6 +59,13 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
+    "act_batch": BATCH_AXES,
+    "act_length": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
 }
 
 
@@ -114,13 +126,19 @@ def path_str(key_path: Sequence[Any]) -> str:
 
 def spec_for(path: str, shape: Sequence[int], mesh: Mesh, rules=None) -> P:
     """PartitionSpec of one parameter; mesh axes that do not divide a dimension are dropped."""
-    rules = DEFAULT_RULES if rules is None else rules
     axes = logical_axes(path)
     if len(axes) != len(shape):
         raise ValueError(f"parameter {path!r}: logical axes {axes} do not fit shape {tuple(shape)}")
+    return logical_spec(axes, shape, mesh, rules)
+
+
+def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules=None) -> P:
+    """PartitionSpec of an array whose dimensions have logical `axes` (None: replicated) on
+    `mesh` (concrete or abstract); mesh axes that do not divide a dimension are dropped."""
+    rules = DEFAULT_RULES if rules is None else rules
     spec, used = [], set()
     for size, name in zip(shape, axes):
-        target = rules.get(name)
+        target = rules.get(name) if name else None
         targets = (target,) if isinstance(target, str) else tuple(target or ())
         # each mesh axis at most once per array, and only where it divides the dimension
         targets = tuple(a for a in targets if a not in used)
@@ -130,6 +148,16 @@ def spec_for(path: str, shape: Sequence[int], mesh: Mesh, rules=None) -> P:
         else:
             spec.append(None)
     return P(*spec)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """`x` constrained to the logical `axes` on the mesh in context (`jax.sharding.
+    use_abstract_mesh`, as the train step traces), or `x` itself when there is none (a
+    sampler or test on one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
 
 
 def param_shardings(model_state, mesh: Mesh, rules=None):

@@ -77,6 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat = "full"
     c.model.scan_unroll = 1  # one layer in the compiled program
+    c.model.logits_chunk = 256  # [2 rows, 256, 151,936] f32 logits per chunk: 0.3 GiB
     c.data.format = DATA[a["data"]]
     c.data.template = template
     c.data.max_prompt_tokens = max_prompt
@@ -84,6 +85,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.prompts_per_step = 512 // 16
     c.rollout.num_samples = 16
     c.rollout.max_new_tokens = 8192
+    # Qwen2.5-Math-7B was trained for 4,096 positions; rows here use 2,048 + 8,191. The
+    # DAPO/verl recipes for it raise max_position_embeddings the same way.
+    c.model.position_limit = 2048 + 8192 - 1 if preset == "Qwen2.5-Math-7B" else 0
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.grpo.aggregation = a["agg"]

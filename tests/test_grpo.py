@@ -2,6 +2,7 @@
 log-probs / entropy against NumPy, the clipped surrogate case by case, and the spec's
 identity 6: micro-batched and row-sharded gradients equal the full-batch gradient."""
 
+import dataclasses
 import functools
 
 import jax
@@ -281,3 +282,101 @@ def test_bfloat16_params_accumulate_in_float32():
     _, want, _ = accumulate(f32_params, batch, 1)
     np.testing.assert_allclose(np.asarray(grads["w_DV"], np.float32), want["w_DV"], rtol=8e-3,
                                atol=1e-4)
+
+
+# ------------------------------------------------------------------- chunked output head
+def _tiny_policy(dtype, tie, chunk):
+    from flax import nnx
+
+    from ba_jax.models import qwen
+
+    mc = qwen.ModelConfig("qwen3", 97, 32, 64, 2, 4, 2, 8, 1e4, 1e-6, 64, tie, False, False,
+                          True, logits_chunk=chunk)
+    return nnx.split(qwen.Qwen(mc, rngs=nnx.Rngs(3), dtype=dtype, param_dtype=jnp.float32))
+
+
+def _scoring_batch(R=11):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 97, (4, 5)).astype(np.int32)
+    pmask = np.ones_like(prompt)
+    pmask[1, :2] = 0  # a left-padded prompt
+    return dict(prompt_tokens_BT=jnp.asarray(prompt), prompt_mask_BT=jnp.asarray(pmask),
+                tokens_BR=jnp.asarray(rng.integers(0, 97, (4, R)).astype(np.int32)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tie", [True, False])
+def test_chunked_head_equals_unchunked_values_and_gradients(dtype, tie):
+    """R = 11 response positions: chunk 4 leaves a ragged tail of 3, chunk 11 divides (one
+    chunk), chunk 1 is one position at a time; all against chunk 0 (no chunks)."""
+    from flax import nnx
+
+    batch = _scoring_batch()
+    g_BR = jnp.asarray(np.random.default_rng(1).normal(size=(4, 11)), jnp.float32)
+
+    def run(chunk):
+        graphdef, params = _tiny_policy(dtype, tie, chunk)
+
+        def f(p):
+            logp, ent = grpo.policy_logprobs(graphdef, p, batch, with_entropy=True)
+            return jnp.sum(g_BR * logp), (logp, ent)
+
+        (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+        return logp, ent, nnx.to_pure_dict(grads)
+
+    want_logp, want_ent, want_g = run(0)
+    tol = dict(rtol=1e-5, atol=1e-5)  # same products, other reduction order
+    for chunk in (1, 4, 11):
+        logp, ent, grads = run(chunk)
+        np.testing.assert_allclose(logp, want_logp, **tol)
+        np.testing.assert_allclose(ent, want_ent, **tol)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), grads, want_g)
+
+
+def test_chunked_head_never_forms_all_logits():
+    """The compiled loss of a chunked head holds one chunk's logits: its temp bytes are a
+    fraction of the unchunked program's (the [B, R, V] float32 logits and cotangent)."""
+    from flax import nnx
+
+    from ba_jax.models import qwen
+
+    mc = qwen.ModelConfig("qwen3", 16384, 32, 64, 1, 4, 2, 8, 1e4, 1e-6, 512, True, False,
+                          False, True)
+    R = 128
+    batch = dict(prompt_tokens_BT=jnp.zeros((4, 8), jnp.int32),
+                 prompt_mask_BT=jnp.ones((4, 8), jnp.int32), tokens_BR=jnp.zeros((4, R), jnp.int32))
+
+    def temp(chunk):
+        gd, p = nnx.split(qwen.Qwen(dataclasses.replace(mc, logits_chunk=chunk),
+                                    rngs=nnx.Rngs(0)))
+        loss = lambda p: jnp.sum(grpo.policy_logprobs(gd, p, batch)[0])  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(p).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = 4 * R * mc.vocab_size * 4
+    assert temp(0) > 2 * logits_bytes  # the unchunked program: logits, cotangent and more
+    assert temp(8) < logits_bytes / 2  # a few chunk-sized [4, 8, V] buffers
+
+
+def test_reference_logprobs_are_microbatched_and_equal_the_policy():
+    graphdef, params = _tiny_policy(jnp.float32, True, 4)
+    batch = _scoring_batch()
+    want = grpo.policy_logprobs(graphdef, params, batch)[0]
+    for k in (1, 2, 4):
+        got = jax.jit(functools.partial(grpo.reference_logprobs, graphdef,
+                                        num_microbatches=k))(params, batch)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    micro = grpo.split_microbatches(batch, 2)
+    assert micro["tokens_BR"].shape == (2, 2, 11)
+    np.testing.assert_array_equal(micro["tokens_BR"][1, 0], batch["tokens_BR"][1])  # rows j, j+k
+    jax.tree.map(np.testing.assert_array_equal, grpo.join_microbatches(micro), batch)
+
+
+def test_compute_copy_casts_matrices_and_keeps_vectors():
+    graphdef, params = _tiny_policy(jnp.bfloat16, False, 0)
+    ref = grpo.compute_copy(params, jnp.bfloat16)
+    for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+        assert r.dtype == (jnp.bfloat16 if p.ndim >= 2 else p.dtype)
+    batch = _scoring_batch()
+    # the bf16 policy casts the same matrices for its compute: equal forwards
+    np.testing.assert_array_equal(grpo.policy_logprobs(graphdef, ref, batch)[0],
+                                  grpo.policy_logprobs(graphdef, params, batch)[0])

@@ -125,7 +125,7 @@ def _unrolled_logits(m: qwen.Qwen, tokens_BT):
     for i in range(m.config.num_layers):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
         x, _ = layer(x, sin, cos, jnp.ones((B, T), bool), "xla")
-    return m._logits(x)
+    return m.logits(x)
 
 
 def test_scanned_layers_equal_unrolled_loop(model):

@@ -44,6 +44,39 @@ def test_every_parameter_matches_exactly_one_rule(name):
         assert set(hits[0]) <= set(sharding.DEFAULT_RULES), path
 
 
+def test_every_kernel_pins_its_table_axes():
+    """A Linear's `axes` (the sharding its compute-dtype copy is pinned to) are its
+    PARAM_AXES entry, minus the stacked `layers` axis for decoder layers."""
+    model = nnx.eval_shape(lambda: qwen.Qwen(TINY, rngs=nnx.Rngs(0)))
+    seen = 0
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, qwen.Linear):
+            dotted = ".".join(map(str, path)) + ".kernel"
+            want = sharding.logical_axes(dotted)
+            assert node.axes == (want[1:] if dotted.startswith("layers.") else want), dotted
+            seen += 1
+    assert seen == 8  # q, k, v, o, gate, up, down, lm_head
+
+
+def test_constrain_maps_activation_axes_and_is_a_no_op_without_a_mesh():
+    x = jnp.zeros((16, 4, 6))
+    assert sharding.constrain(x, ("act_batch", "act_length", "act_vocab")) is x
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    assert sharding.logical_spec(("act_batch", "act_length", "act_vocab"), x.shape,
+                                 mesh) == P(("data", "fsdp"), None, "tensor")
+    # 5 heads do not divide over tensor=2: replicated, as for parameters
+    assert sharding.logical_spec(("act_batch", "act_heads"), (16, 5), mesh) == P(
+        ("data", "fsdp"), None)
+
+    def f(x):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return sharding.constrain(x * 2, ("act_batch", "act_length", "act_vocab"))
+
+    y = jax.jit(f)(jax.device_put(x, jax.sharding.NamedSharding(mesh, P())))
+    want = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
+    assert y.sharding.is_equivalent_to(want, 3)
+
+
 def test_logical_axes_rejects_unknown_path():
     with pytest.raises(ValueError, match="matches 0 PARAM_AXES rules"):
         sharding.logical_axes("layers.self_attn.rotary.kernel")

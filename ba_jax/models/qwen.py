@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from ba_jax import sharding
 from ba_jax.models import attention as attention_lib
 
 # config.remat -> the policy of `jax.checkpoint` around one scanned layer (None: no remat).
@@ -89,6 +90,10 @@ class ModelConfig:
     # compiled program; >= num_layers unrolls the stack (small models, where an iteration's
     # loop overhead and the fusion it blocks cost as much as a layer's work).
     scan_unroll: int = 1
+    # Positions per chunk of the output head when scoring tokens (`Qwen.token_logprobs`):
+    # the final norm, projection and log-softmax run chunk by chunk, so at most
+    # [rows, logits_chunk, V] logits exist at once; 0: all positions in one piece.
+    logits_chunk: int = 1024
     bos_token_id: int | None = None  # kept for export only
     eos_token_id: int | tuple[int, ...] | None = None  # kept for export only
 
@@ -104,6 +109,8 @@ class ModelConfig:
             raise ValueError(f"model.remat={self.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
         if not (isinstance(self.scan_unroll, int) and self.scan_unroll >= 1):
             raise ValueError(f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1")
+        if not (isinstance(self.logits_chunk, int) and self.logits_chunk >= 0):
+            raise ValueError(f"model.logits_chunk={self.logits_chunk!r} must be an integer >= 0")
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -178,29 +185,44 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...], out_dtype=jnp.float32) -> jax.Array:
+def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...], out_dtype=jnp.float32,
+        w_logical: tuple[str, ...] | None = None) -> jax.Array:
     """Contracts x's trailing len(w_axes) dims with w's `w_axes` (increasing); the float32 sum,
     rounded once to out_dtype. w (the parameter, in its own dtype) is cast to x's compute dtype
-    inside, so that its gradient leaves the float32 accumulator in the parameter's dtype."""
-    return _mm_vjp(x, w, w_axes, out_dtype)
+    inside, so that its gradient leaves the float32 accumulator in the parameter's dtype.
+
+    `w_logical` (w's logical axes, as `sharding.PARAM_AXES` names them): on a mesh the cast
+    copy is pinned to w's own sharding, so the cast runs on each device's shard and the
+    layer gathers weights in the compute dtype (half the bytes of float32 in bf16), and the
+    weight gradient is pinned back to it (reduce-scattered, not all-reduced)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = (None if w_logical is None or mesh.empty
+            else sharding.logical_spec(w_logical, w.shape, mesh))
+    return _mm_vjp(x, w, w_axes, out_dtype, spec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mm_vjp(x, w, w_axes, out_dtype):
+def _cast_pinned(w, dtype, spec):
+    w_c = w.astype(dtype)
+    return w_c if spec is None else lax.with_sharding_constraint(w_c, spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _mm_vjp(x, w, w_axes, out_dtype, spec):
     n = len(w_axes)
     dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
-    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    y = lax.dot_general(x, _cast_pinned(w, x.dtype, spec), dims,
+                        preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
-def _mm_fwd(x, w, w_axes, out_dtype):
-    return _mm_vjp(x, w, w_axes, out_dtype), (x, w)
+def _mm_fwd(x, w, w_axes, out_dtype, spec):
+    return _mm_vjp(x, w, w_axes, out_dtype, spec), (x, w)
 
 
-def _mm_bwd(w_axes, out_dtype, res, g):
+def _mm_bwd(w_axes, out_dtype, spec, res, g):
     x, w = res
     g = g.astype(x.dtype)  # bf16 cotangent: the backward products stay bf16 x bf16 -> f32
-    w_c = w.astype(x.dtype)
+    w_c = _cast_pinned(w, x.dtype, spec)
     n_free = x.ndim - len(w_axes)
     lead = tuple(range(n_free))
     w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
@@ -211,6 +233,8 @@ def _mm_bwd(w_axes, out_dtype, res, g):
     else:  # [in (w_axes order)..., out...] -> w's axis order
         dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
         dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
+    if spec is not None:
+        dw = lax.with_sharding_constraint(dw, spec)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -218,18 +242,22 @@ _mm_vjp.defvjp(_mm_fwd, _mm_bwd)
 
 
 class Linear(nnx.Module):
-    """x[..., *in_shape] -> y[..., *out_shape]; kernel [*in_shape, *out_shape]."""
+    """x[..., *in_shape] -> y[..., *out_shape]; kernel [*in_shape, *out_shape] with logical
+    axes `axes` (its `sharding.PARAM_AXES` entry without the stacked `layers` axis; a test
+    checks that the two agree for every kernel)."""
 
-    def __init__(self, in_shape, out_shape, *, use_bias, rngs, dtype, param_dtype):
+    def __init__(self, in_shape, out_shape, *, axes, use_bias, rngs, dtype, param_dtype):
         init = nnx.initializers.normal(0.02)
         self.kernel = nnx.Param(init(rngs.params(), (*in_shape, *out_shape), param_dtype))
         self.bias = nnx.Param(jnp.zeros(out_shape, param_dtype)) if use_bias else None
         self.n_in = len(in_shape)
+        self.axes = tuple(axes)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         out_dtype = self.dtype if self.bias is None else jnp.float32
-        y = _mm(x.astype(self.dtype), self.kernel[...], tuple(range(self.n_in)), out_dtype)
+        y = _mm(x.astype(self.dtype), self.kernel[...], tuple(range(self.n_in)), out_dtype,
+                self.axes)
         if self.bias is None:
             return y
         return (y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
@@ -275,16 +303,27 @@ def _rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
     return jnp.sin(angle), jnp.cos(angle)
 
 
+# Logical axes of the activations (`sharding.DEFAULT_RULES`): rows over the data-parallel
+# axes, heads / MLP width / vocabulary over `tensor`, the hidden dimension whole.
+_X_AXES = ("act_batch", "act_length", "act_embed")
+_Q_AXES = ("act_batch", "act_length", "act_heads", None)
+_KV_AXES = ("act_batch", "act_length", "act_kv_heads", None)
+_MLP_AXES = ("act_batch", "act_length", "act_mlp")
+_LOGITS_AXES = ("act_batch", "act_length", "act_vocab")
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.q_proj = Linear((D,), (N, H), use_bias=cfg.use_qkv_bias, **kw)
-        self.k_proj = Linear((D,), (K, H), use_bias=cfg.use_qkv_bias, **kw)
-        self.v_proj = Linear((D,), (K, H), use_bias=cfg.use_qkv_bias, **kw)
-        self.o_proj = Linear((N, H), (D,), use_bias=cfg.use_o_bias, **kw)
+        qkv = dict(use_bias=cfg.use_qkv_bias, **kw)
+        self.q_proj = Linear((D,), (N, H), axes=("embed", "heads", "head_dim"), **qkv)
+        self.k_proj = Linear((D,), (K, H), axes=("embed", "kv_heads", "head_dim"), **qkv)
+        self.v_proj = Linear((D,), (K, H), axes=("embed", "kv_heads", "head_dim"), **qkv)
+        self.o_proj = Linear((N, H), (D,), axes=("heads", "head_dim", "embed"),
+                             use_bias=cfg.use_o_bias, **kw)
         nkw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
@@ -294,13 +333,15 @@ class Attention(nnx.Module):
         q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        return _rope(q_BTNH, sin_BTH, cos_BTH), _rope(k_BTKH, sin_BTH, cos_BTH), v_BTKH
+        q_BTNH = sharding.constrain(_rope(q_BTNH, sin_BTH, cos_BTH), _Q_AXES)
+        k_BTKH = sharding.constrain(_rope(k_BTKH, sin_BTH, cos_BTH), _KV_AXES)
+        return q_BTNH, k_BTKH, sharding.constrain(v_BTKH, _KV_AXES)
 
     def __call__(self, x_BTD, sin_BTH, cos_BTH, valid_BT, impl: str):
         """Full causal self-attention -> (output, (k_BTKH, v_BTKH)) (the keys for a cache)."""
         q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, sin_BTH, cos_BTH)
         o_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, valid_BT, impl=impl)
-        return self.o_proj(o_BTNH), (k_BTKH, v_BTKH)
+        return self.o_proj(sharding.constrain(o_BTNH, _Q_AXES)), (k_BTKH, v_BTKH)
 
     def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
         """One new token per row over its cache (and a shared prefix) -> (out, (k_BKH, v_BKH))."""
@@ -316,14 +357,14 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
         D, F = cfg.hidden_size, cfg.intermediate_size
         kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.gate_proj = Linear((D,), (F,), **kw)
-        self.up_proj = Linear((D,), (F,), **kw)
-        self.down_proj = Linear((F,), (D,), **kw)
+        self.gate_proj = Linear((D,), (F,), axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear((D,), (F,), axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear((F,), (D,), axes=("mlp", "embed"), **kw)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         g_BTF = self.gate_proj(x_BTD).astype(jnp.float32)
         h_BTF = jax.nn.silu(g_BTF) * self.up_proj(x_BTD).astype(jnp.float32)
-        return self.down_proj(h_BTF.astype(x_BTD.dtype))
+        return self.down_proj(sharding.constrain(h_BTF.astype(x_BTD.dtype), _MLP_AXES))
 
 
 class DecoderLayer(nnx.Module):
@@ -339,8 +380,9 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD, sin_BTH, cos_BTH, valid_BT, impl: str):
         h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, valid_BT, impl)
-        x_BTD = x_BTD + h_BTD
-        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)), kv
+        x_BTD = sharding.constrain(x_BTD + h_BTD, _X_AXES)
+        return sharding.constrain(x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)),
+                                  _X_AXES), kv
 
     def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
         h_B1D, kv = self.self_attn.decode(self.input_layernorm(x_B1D), sin_B1H, cos_B1H, k_BSKH,
@@ -398,17 +440,24 @@ class Qwen(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
                             param_dtype=param_dtype)
         self.lm_head = (None if cfg.use_tied_embeddings else
-                        Linear((cfg.hidden_size,), (cfg.vocab_size,), use_bias=False, **kw))
+                        Linear((cfg.hidden_size,), (cfg.vocab_size,), axes=("embed", "vocab"),
+                               use_bias=False, **kw))
         self.dtype = dtype
 
     def _embed(self, tokens_BT):
-        return jnp.take(self.embed_tokens.embedding[...], tokens_BT, axis=0).astype(self.dtype)
+        # the table is read in its storage dtype (the gradient's scatter-add stays float32)
+        x_BTD = jnp.take(self.embed_tokens.embedding[...], tokens_BT, axis=0).astype(self.dtype)
+        return sharding.constrain(x_BTD, _X_AXES)
 
-    def _logits(self, x_BTD):
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """The output head on final hidden states: norm, then projection -> float32 logits."""
         x_BTD = self.norm(x_BTD)
         if self.lm_head is None:
-            return _mm(x_BTD, self.embed_tokens.embedding[...], (1,))
-        return _mm(x_BTD, self.lm_head.kernel[...], (0,))
+            logits_BTV = _mm(x_BTD, self.embed_tokens.embedding[...], (1,),
+                             w_logical=("vocab", "embed"))
+        else:
+            logits_BTV = _mm(x_BTD, self.lm_head.kernel[...], (0,), w_logical=self.lm_head.axes)
+        return sharding.constrain(logits_BTV, _LOGITS_AXES)
 
     def _scan_layers(self, body, x, xs, remat: str = "none"):
         """lax.scan of body(layer, x, xs_l) -> (x, ys_l) over the stacked layers, the remat
@@ -436,6 +485,17 @@ class Qwen(nnx.Module):
         then run on those hidden states only (a trainer scoring responses skips the prompt
         positions, a next-token loss the last one, a prefill all but the last).
         """
+        x_BTD, kv = self.hidden_states(tokens_BT, positions_BT, attn_mask_BT, return_kv=True)
+        if logits_slice is not None:
+            x_BTD = x_BTD[:, logits_slice]
+        logits_BTV = self.logits(x_BTD)
+        return (logits_BTV, kv) if return_kv else logits_BTV
+
+    def hidden_states(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                      attn_mask_BT: jax.Array | None = None, *, return_kv: bool = False):
+        """The decoder stack without the head -> (final hidden states x_BTD, before the final
+        norm; the KVCache if `return_kv`, else None). `logits(x_BTD)` finishes the forward;
+        a scorer that must not form all logits at once runs it on chunks of positions."""
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
         if positions_BT is None:
@@ -449,10 +509,7 @@ class Qwen(nnx.Module):
             return x_BTD, kv if return_kv else None
 
         x_BTD, kv = self._scan_layers(body, self._embed(tokens_BT), None, self.config.remat)
-        if logits_slice is not None:
-            x_BTD = x_BTD[:, logits_slice]
-        logits_BTV = self._logits(x_BTD)
-        return (logits_BTV, KVCache(*kv)) if return_kv else logits_BTV
+        return x_BTD, KVCache(*kv) if return_kv else None
 
     def decode_step(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache,
                     valid_BS: jax.Array, prefix: tuple[KVCache, jax.Array] | None = None):
@@ -476,4 +533,4 @@ class Qwen(nnx.Module):
 
         x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(
             body, self._embed(tokens_B[:, None]), (cache.k_LBSKH, cache.v_LBSKH, pk, pv))
-        return self._logits(x_B1D)[:, 0], k_LBKH, v_LBKH
+        return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
