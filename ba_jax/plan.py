@@ -138,20 +138,30 @@ def sampler_bytes(mc, *, prompts: int, samples: int, prompt_len: int, new_tokens
     return dict(kv_cache=int(kv), transient=int(kv_prompt + max(prefill, decode_logits)))
 
 
-def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION) -> dict:
-    """Per-device bytes of a run of `cfg` on `num_devices` and the fit per named device."""
+def abstract_policy(cfg: Any):
+    """(graphdef, abstract parameters) of the run's policy: `jax.eval_shape` of the model
+    `build.init_policy` makes, the same structure whatever `model.init` (no weights read)."""
     from flax import nnx
 
-    from ba_jax import build, run_config, sampler
+    from ba_jax import run_config
     from ba_jax.models import qwen
+
+    mc = model_config(cfg)
+    dtype, pdtype = run_config.DTYPES[cfg.model.dtype], run_config.DTYPES[cfg.model.param_dtype]
+    return nnx.split(nnx.eval_shape(
+        lambda: qwen.Qwen(mc, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdtype)))
+
+
+def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION) -> dict:
+    """Per-device bytes of a run of `cfg` on `num_devices` and the fit per named device."""
+    from ba_jax import build, run_config, sampler
 
     axes = run_config.mesh_axes(cfg, num_devices)
     mesh = _abstract_mesh(axes)
     mc = model_config(cfg)
-    dtype, pdtype = run_config.DTYPES[cfg.model.dtype], run_config.DTYPES[cfg.model.param_dtype]
+    dtype = run_config.DTYPES[cfg.model.dtype]
     itemsize = np.dtype(dtype).itemsize
-    _, params = nnx.split(nnx.eval_shape(
-        lambda: qwen.Qwen(mc, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdtype)))
+    _, params = abstract_policy(cfg)
     tx, _ = build.make_optimizer(cfg)
     opt_state = jax.eval_shape(tx.init, params)
     param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -199,6 +209,34 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
                    sample_peak=sample_peak, peak=peak),
         fits=fits,
     )
+
+
+FIT_DEVICE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTION) -> dict:
+    """The smallest device count (powers of two up to 1024), and with it the fewest
+    micro-batches (`grpo.num_microbatches` dividing the rows evenly over the devices), at
+    which the plan of `cfg` fits `device`. Returns `dict(num_devices, num_microbatches,
+    plan)`, all None when nothing fits; the config itself is not changed."""
+    from ba_jax import run_config
+
+    rows = cfg.rollout.prompts_per_step // cfg.grpo.num_minibatches * cfg.rollout.num_samples
+    for n in FIT_DEVICE_COUNTS:
+        try:
+            dp = (lambda a: a["data"] * a["fsdp"])(run_config.mesh_axes(cfg, n))
+        except run_config.ConfigError:
+            continue  # a mesh fixed in the config that n devices cannot hold
+        for k in range(1, rows + 1):
+            if rows % k or (rows // k) % dp:
+                continue
+            trial = cfg.copy_and_resolve_references()
+            with trial.unlocked():
+                trial.grpo.num_microbatches = k
+            p = plan(trial, n, usable_fraction=usable_fraction)
+            if p["fits"][device]:
+                return dict(num_devices=n, num_microbatches=k, plan=p)
+    return dict(num_devices=None, num_microbatches=None, plan=None)
 
 
 def format_plan(p: dict, device: str | None = None) -> str:
@@ -250,7 +288,17 @@ def main(argv) -> None:
     if F.device and F.device not in DEVICES:
         sys.exit(f"ba_jax.plan: --device={F.device!r}; valid: {', '.join(DEVICES)}")
     try:
-        p = plan(F.config, F.num_devices or jax.device_count())
+        if F.device and not F.num_devices:  # how many of that device would the run need?
+            found = fit_search(F.config, F.device)
+            if found["plan"] is None:
+                sys.exit(f"ba_jax.plan: --device={F.device}: no count up to "
+                         f"{FIT_DEVICE_COUNTS[-1]} devices and no micro-batching fits this config")
+            print(f"fit search for {F.device}: {found['num_devices']} devices with "
+                  f"--config.grpo.num_microbatches={found['num_microbatches']} is the smallest "
+                  "that fits (pass --num_devices=N to plan another count)")
+            p = found["plan"]
+        else:
+            p = plan(F.config, F.num_devices or jax.device_count())
     except run_config.ConfigError as e:
         sys.exit(f"ba_jax.plan: {e}")
     print(format_plan(p, F.device or None), end="")
@@ -261,7 +309,8 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
-    flags.DEFINE_integer("num_devices", 0, "devices to plan for (0: this machine's)")
+    flags.DEFINE_integer("num_devices", 0, "devices to plan for (0: this machine's, or with "
+                         "--device the fewest that fit)")
     flags.DEFINE_string("device", "", f"report only this device: {', '.join(DEVICES)}")
     flags.mark_flags_as_required(["config"])
     app.run(main)

@@ -82,10 +82,24 @@ def validate(cfg: Any, num_devices: int) -> None:
         aggregation.resolve_rule(g.aggregation)
     except (ValueError, ImportError, AttributeError) as e:
         raise ConfigError(f"config.grpo.aggregation: {e}") from e
+    if g.aggregation not in aggregation.RULES:  # a user's rule: tried once as the trainer calls it
+        try:
+            aggregation.check_rule(g.aggregation, count_degenerate_groups=g.count_degenerate_groups,
+                                   max_len=g.constant_max_len or r.max_new_tokens)
+        except ValueError as e:
+            raise ConfigError(f"config.grpo.aggregation={g.aggregation!r} {e}") from e
+    require(g.eps_low >= 0 and g.eps_high >= 0,
+            f"config.grpo.eps_low={g.eps_low} / eps_high={g.eps_high}: clip ranges must be >= 0")
     require(g.advantage in grpo.ADVANTAGE_ESTIMATORS,
             f"config.grpo.advantage={g.advantage!r}; valid: {', '.join(grpo.ADVANTAGE_ESTIMATORS)}")
     require(g.kl_kind in ("none",) + grpo.KL_KINDS,
             f"config.grpo.kl_kind={g.kl_kind!r}; valid: none, {', '.join(grpo.KL_KINDS)}")
+    require(g.kl_kind == "none" or g.kl_beta > 0,
+            f"config.grpo.kl_kind={g.kl_kind!r} needs config.grpo.kl_beta > 0 (got {g.kl_beta}); "
+            "set kl_kind='none' for no KL term")
+    require(g.kl_kind != "none" or g.kl_beta == 0,
+            f"config.grpo.kl_beta={g.kl_beta} has no effect with config.grpo.kl_kind='none': "
+            f"choose an estimator ({', '.join(grpo.KL_KINDS)}) or set kl_beta=0")
     require(cfg.model.dtype in DTYPES and cfg.model.param_dtype in DTYPES,
             f"config.model.dtype/param_dtype must be one of {sorted(DTYPES)}")
     require(cfg.model.attention in attention.IMPLS,
@@ -94,6 +108,9 @@ def validate(cfg: Any, num_devices: int) -> None:
             f"config.model.remat={cfg.model.remat!r}; valid: {', '.join(qwen.REMAT_POLICIES)}")
     require(isinstance(cfg.model.scan_unroll, int) and cfg.model.scan_unroll >= 1,
             f"config.model.scan_unroll={cfg.model.scan_unroll!r} must be an integer >= 1")
+    require(isinstance(cfg.model.logits_chunk, int) and cfg.model.logits_chunk >= 0,
+            f"config.model.logits_chunk={cfg.model.logits_chunk!r} must be an integer >= 0 "
+            "(0: the whole response in one piece)")
     require(cfg.model.init in ("random", "hf", "checkpoint"),
             f"config.model.init={cfg.model.init!r}; valid: random, hf, checkpoint")
     if cfg.model.init != "random":
@@ -101,12 +118,30 @@ def validate(cfg: Any, num_devices: int) -> None:
                 f"config.model.init_path={cfg.model.init_path!r} is not a folder")
     require(cfg.task in ("arithmetic", "dataset"),
             f"config.task={cfg.task!r}; valid: arithmetic, dataset")
+    require(cfg.data.max_prompt_tokens >= 1,
+            f"config.data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be >= 1")
+    if cfg.task == "arithmetic":
+        require(cfg.data.template == "plain",
+                f"config.data.template={cfg.data.template!r} applies to task=dataset only: the "
+                "arithmetic task's prompts are always plain; leave it 'plain'")
     if cfg.task == "dataset":
         require(os.path.isfile(cfg.data.path), f"config.data.path={cfg.data.path!r}: no such file")
-        require(bool(cfg.tokenizer_path) or cfg.model.init == "hf",
-                "config.tokenizer_path is required for task=dataset (or model.init=hf)")
+        # the tokenizer may sit beside the weights: a Hugging Face folder's, or the one
+        # convert_hf copied from it into its output folder
+        beside = cfg.model.init == "hf" or (cfg.model.init == "checkpoint" and any(
+            os.path.isfile(os.path.join(cfg.model.init_path, f))
+            for f in ("tokenizer.json", "vocab.json")))
+        where = (f"; config.model.init_path={cfg.model.init_path!r} holds no tokenizer.json"
+                 if cfg.model.init == "checkpoint" else "")
+        require(bool(cfg.tokenizer_path) or beside,
+                "config.tokenizer_path is required for task=dataset unless the weights' folder "
+                f"holds the tokenizer (model.init=hf, or a convert_hf folder){where}")
     for name in ("prompts_per_step", "num_samples", "max_new_tokens"):
         require(getattr(r, name) >= 1, f"config.rollout.{name} must be >= 1")
+    require(r.num_samples >= 2,
+            f"config.rollout.num_samples={r.num_samples}: GRPO needs >= 2 samples per prompt "
+            "(advantages are relative to the prompt's group: a group of one has advantage 0, "
+            "so every gradient would be zero)")
     for name in ("num_updates", "num_minibatches", "num_microbatches"):
         require(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
     require(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
@@ -130,21 +165,44 @@ def validate(cfg: Any, num_devices: int) -> None:
             "devices")
     require(cfg.rollout.temperature >= 0, "config.rollout.temperature must be >= 0")
     require(0 < cfg.rollout.top_p <= 1, "config.rollout.top_p must be in (0, 1]")
-    require(cfg.num_train_steps >= 0, "config.num_train_steps must be >= 0")
+    require(cfg.rollout.top_k >= 0,
+            f"config.rollout.top_k={cfg.rollout.top_k} must be >= 0 (0 keeps every token)")
+    require(cfg.num_train_steps >= 1,
+            f"config.num_train_steps={cfg.num_train_steps} must be >= 1 (nothing would be trained)")
     require(cfg.checkpoint.every_steps >= 1, "config.checkpoint.every_steps must be >= 1")
     require(cfg.checkpoint.max_to_keep >= 1, "config.checkpoint.max_to_keep must be >= 1")
     require(cfg.optim.schedule in ("constant", "cosine"),
             f"config.optim.schedule={cfg.optim.schedule!r}; valid: constant, cosine")
     require(cfg.optim.learning_rate > 0, "config.optim.learning_rate must be > 0")
     require(cfg.max_consecutive_nonfinite >= 1, "config.max_consecutive_nonfinite must be >= 1")
+    require(isinstance(cfg.model.position_limit, int) and cfg.model.position_limit >= 0,
+            f"config.model.position_limit={cfg.model.position_limit!r} must be an integer >= 0 "
+            "(0: the model's max_position_embeddings)")
     if cfg.model.preset:
-        require(cfg.model.preset in qwen.PRESETS, f"config.model.preset={cfg.model.preset!r}; "
-                f"valid: {', '.join(sorted(qwen.PRESETS))}")
+        check_positions(cfg, qwen.PRESETS[preset_name(cfg.model.preset)])
     elif cfg.model.init == "random":
         try:
             model_config(cfg)
         except ValueError as e:
             raise ConfigError(f"config.model: {e}") from e
+
+
+def check_positions(cfg: Any, mc: qwen.ModelConfig) -> None:
+    """A row's positions (prompt bucket + response - 1) must fit the model's trained context
+    `max_position_embeddings`, or the run says explicitly how far past it it may go
+    (`config.model.position_limit`, what recipes that raise max_position_embeddings do)."""
+    from ba_jax import sampler
+
+    need = sampler.prompt_bucket(cfg.data.max_prompt_tokens) + cfg.rollout.max_new_tokens - 1
+    limit = cfg.model.position_limit or mc.max_position_embeddings
+    require(need <= limit,
+            f"rows need {need} positions (config.data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
+            f" padded to its bucket + config.rollout.max_new_tokens={cfg.rollout.max_new_tokens}) "
+            f"but the model was trained for max_position_embeddings={mc.max_position_embeddings}"
+            + (f" and config.model.position_limit={cfg.model.position_limit}"
+               if cfg.model.position_limit else "")
+            + f": shorten them, or set config.model.position_limit={need} to run past the trained"
+            " context (RoPE extends to any position; quality there is the model's)")
 
 
 def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:
@@ -158,18 +216,25 @@ def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:
 
 def runtime_options(cfg: Any) -> dict[str, Any]:
     """The ModelConfig fields a run chooses whatever the weights: attention kernel, remat,
-    layers per scan iteration."""
+    layers per scan iteration, positions per chunk of the output head."""
     return dict(attention=cfg.model.attention, remat=cfg.model.remat,
-                scan_unroll=cfg.model.scan_unroll)
+                scan_unroll=cfg.model.scan_unroll, logits_chunk=cfg.model.logits_chunk)
+
+
+def preset_name(name: str) -> str:
+    """The `qwen.PRESETS` key `name` spells in any letter case (`qwen3-1.7b`, as
+    configs/paper.py writes model names, is `Qwen3-1.7B`); ConfigError listing them if none."""
+    key = {k.lower(): k for k in qwen.PRESETS}.get(name.lower())
+    require(key is not None, f"config.model.preset={name!r}; valid (in any letter case): "
+            f"{', '.join(sorted(qwen.PRESETS))}")
+    return key
 
 
 def model_config(cfg: Any) -> qwen.ModelConfig:
-    """ModelConfig from a preset name or the explicit fields of config.model."""
+    """ModelConfig from a preset name (any letter case) or the explicit fields of config.model."""
     m = cfg.model
     if m.preset:
-        require(m.preset in qwen.PRESETS,
-                f"config.model.preset={m.preset!r}; valid: {', '.join(sorted(qwen.PRESETS))}")
-        return dataclasses.replace(qwen.PRESETS[m.preset], **runtime_options(cfg))
+        return dataclasses.replace(qwen.PRESETS[preset_name(m.preset)], **runtime_options(cfg))
     return qwen.ModelConfig(
         arch=m.arch, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,

@@ -102,6 +102,21 @@ def make_train_step(cfg, graphdef, tx: optax.GradientTransformation, state, mesh
                    out_shardings=(state_sh, NamedSharding(mesh, PS())), donate_argnums=(0,))
 
 
+def make_reference_fn(cfg, graphdef, ref_params, mesh):
+    """jit of the reference policy's response log-probs on a mini-batch, micro-batched as
+    the train step is (`grpo.reference_logprobs`), rows over (data, fsdp)."""
+    row_sh = sharding.batch_sharding(mesh)
+    fn = functools.partial(grpo.reference_logprobs, graphdef,
+                           num_microbatches=cfg.grpo.num_microbatches)
+
+    def ref(params, batch):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(params, batch)
+
+    return jax.jit(ref, in_shardings=(jax.tree.map(lambda x: x.sharding, ref_params), row_sh),
+                   out_shardings=row_sh)
+
+
 def replicate_unsharded(tree, mesh):
     """Give every leaf without a mesh sharding (optimizer counts, step) a replicated one.
 
@@ -139,12 +154,14 @@ def _save(ckpt, step: int, state, iterator, cfg) -> float:
     try:
         ckpt.save(step, state, dict(step=step, data_iterator=iterator.state(),
                                     config=_config_json(cfg)))
-    except OSError as e:
+    except (OSError, checkpoint.CheckpointError) as e:  # Orbax's own, or TensorStore's
         prev = [s for s in ckpt.steps() if s < step]
+        reason = getattr(e, "reason", None) or checkpoint.summarize(e)
         raise checkpoint.CheckpointError(
-            f"saving checkpoint step {step} in {ckpt.directory} failed ({e}); "
+            f"saving checkpoint step {step} in {ckpt.directory} failed ({reason}); "
             + (f"the previous checkpoint (step {prev[-1]}) is intact: fix the cause and run "
-               "again to resume from it" if prev else "no earlier checkpoint exists")) from e
+               "again to resume from it" if prev else "no earlier checkpoint exists"),
+            reason) from e
     return time.perf_counter() - t0
 
 
@@ -182,6 +199,9 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     print("prompts: " + ", ".join(f"{k} {v}" for k, v in prompt_set.stats.items()))
     eos_ids = _eos_ids(tokenizer)
     graphdef, params = build.init_policy(cfg, mesh)
+    model_cfg = nnx.merge(graphdef, params).config
+    build.check_tokenizer_fits(cfg, tokenizer, model_cfg.vocab_size, eos_ids)
+    run_config.check_positions(cfg, model_cfg)
     tx, schedule = build.make_optimizer(cfg)
     state = init_state(params, tx, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -214,12 +234,14 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
         return (f"run complete ({start} steps) in {workdir}: metrics {workdir}/metrics.jsonl, "
                 f"plots {plots}, checkpoint {ckpt.directory}")
 
-    ref_params = state["params"] if cfg.grpo.kl_kind != "none" and cfg.grpo.kl_beta > 0 else None
-    if ref_params is not None:
-        ref_params = jax.tree.map(jnp.copy, ref_params)  # the frozen reference survives donation
     M = cfg.grpo.num_minibatches
     step_fn = make_train_step(cfg, graphdef, tx, state, mesh, num_groups=P // M)
-    ref_fn = jax.jit(lambda p, b: grpo.policy_logprobs(graphdef, p, b)[0])
+    ref_params, ref_fn = None, None
+    if cfg.grpo.kl_kind != "none":  # validate: kl_beta > 0 with it, and only with it
+        # the frozen reference: the starting policy in the compute dtype, sharded like it
+        ref_params = jax.jit(functools.partial(
+            grpo.compute_copy, dtype=run_config.DTYPES[cfg.model.dtype]))(state["params"])
+        ref_fn = make_reference_fn(cfg, graphdef, ref_params, mesh)
     rep = NamedSharding(mesh, PS())
     diag_fn = jax.jit(functools.partial(
         aggregation.diagnostics, aggregation.resolve_rule(cfg.grpo.aggregation),
@@ -245,6 +267,7 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
 
     nonfinite_run = 0
     last_save_s = 0.0
+    finished = False
     try:
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
@@ -300,8 +323,9 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
                     f"{nonfinite_run} steps in a row had a non-finite loss or gradient (last at step "
                     f"{it}); parameters were left unchanged by each of them. The last checkpoint in "
                     f"{ckpt.directory} is intact; lower config.optim.learning_rate or inspect the data.")
+        finished = True
     finally:
-        writer.close()
+        writer.close(finished=finished)  # a failed run's bar is not left at 100%
         scorer.close()
         ckpt.close()
     try:

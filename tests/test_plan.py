@@ -178,3 +178,41 @@ def test_cli_runs_on_the_paper_config():
     bad = subprocess.run(base[:-1] + ["--num_devices=3", "--config.mesh.tensor=2"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, env=env)
     assert bad.returncode != 0 and "config.mesh" in bad.stderr
+
+
+def test_fit_search_finds_the_smallest_count_that_fits():
+    paper = _config("paper", PAPER)
+    before = paper.grpo.num_microbatches
+    found = plan_lib.fit_search(paper, "h100")
+    n, k = found["num_devices"], found["num_microbatches"]
+    assert found["plan"]["fits"]["h100"] and found["plan"]["num_devices"] == n
+    assert paper.grpo.num_microbatches == before  # the config itself is unchanged
+    # nothing smaller fits: half the devices fails at every valid micro-batching
+    rows = paper.rollout.prompts_per_step // paper.grpo.num_minibatches * paper.rollout.num_samples
+    for kk in range(1, rows + 1):
+        if rows % kk or (rows // kk) % (n // 2):
+            continue
+        trial = paper.copy_and_resolve_references()
+        trial.grpo.num_microbatches = kk
+        assert not plan_lib.plan(trial, n // 2)["fits"]["h100"]
+    # and at n devices, fewer micro-batches than k do not fit
+    for kk in range(1, k):
+        if rows % kk or (rows // kk) % n:
+            continue
+        trial = paper.copy_and_resolve_references()
+        trial.grpo.num_microbatches = kk
+        assert not plan_lib.plan(trial, n)["fits"]["h100"]
+    tiny = plan_lib.fit_search(_config("default", "debug"), "v5e")
+    assert (tiny["num_devices"], tiny["num_microbatches"]) == (1, 1)
+
+
+def test_cli_device_alone_says_how_many_devices_fit():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "ba_jax.plan",
+                          f"--config=configs/paper.py:{PAPER}", "--device=h100"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    found = plan_lib.fit_search(_config("paper", PAPER), "h100")
+    assert (f"fit search for h100: {found['num_devices']} devices with "
+            f"--config.grpo.num_microbatches={found['num_microbatches']}") in out.stdout
+    assert "does NOT fit" not in out.stdout
