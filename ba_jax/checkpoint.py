@@ -11,13 +11,22 @@ Failure policy: an unreadable latest checkpoint is an error that names it, never
 fresh start; `fallback_to_previous=True` walks back to the newest step that restores.
 Orbax writes each step into a temporary folder and renames it when complete, so a run
 killed during a save leaves an unfinished temporary folder that is ignored and removed
-on the next start.
+on the next start. A failed save or restore is one `CheckpointError` whose message says
+the cause in a line (the array whose shape differs, `[Errno 28] No space left on device`).
+What Orbax and TensorStore log or print from their threads on the way (a traceback per
+array and per pending task: hundreds of lines) is kept in the error's notes instead of
+reaching the terminal; `cli.fail` writes them to the run's error.log.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import re
+import sys
+import time
+import traceback
 from typing import Any
 
 import jax
@@ -25,7 +34,103 @@ import orbax.checkpoint as ocp
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint exists but cannot be restored."""
+    """A checkpoint cannot be restored or saved; the message names it and the cause.
+
+    `reason`: the cause alone, in a few words (what the message quotes)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class NoSuchStep(CheckpointError):
+    """A step was asked for that the folder does not hold; the message lists those it holds."""
+
+
+def summarize(e: BaseException) -> str:
+    """The cause of a failed write or read in a few words: `[Errno 28] No space left on
+    device` for an OS error anywhere in the chain (TensorStore reports it inside a ValueError
+    as `os_error_code='28'`), else the first line of the innermost message."""
+    chain: list[BaseException] = []
+    while e is not None and all(e is not x for x in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for x in chain:
+        if isinstance(x, OSError) and x.errno:
+            return f"[Errno {x.errno}] {os.strerror(x.errno)}"
+        m = re.search(r"os_error_code='?(\d+)", str(x))
+        if m:
+            return f"[Errno {m[1]}] {os.strerror(int(m[1]))}"
+    text = (str(chain[-1]).strip().splitlines() or [""])[0]
+    return f"{type(chain[-1]).__name__}: {text[:300]}"
+
+
+class _Held:
+    """Holds what Orbax and TensorStore emit from threads and finalisers while a save or
+    restore runs: absl and asyncio log records at `level` or above, and unraisable
+    exceptions (coroutines closed after their event loop). If the block raises or sets
+    `failed`, they become text in `kept` (the error's detail); otherwise the records are
+    handed on as usual (`replay`) and the unraisables to Python's hook."""
+
+    def __init__(self, *, level: int = logging.ERROR, replay: bool = True):
+        self.level, self.replay = level, replay
+        self.failed = False
+        self.kept: list[str] = []
+        self._records: list[logging.LogRecord] = []
+        self._unraisables: list = []
+        self._loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+
+    def _hold(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.level:
+            self._records.append(record)
+            return False
+        return True
+
+    def __enter__(self) -> _Held:
+        for lg in self._loggers:
+            lg.addFilter(self._hold)
+        self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisables.append
+        return self
+
+    def settle(self, *, quiet_s: float = 0.2, max_s: float = 3.0) -> None:
+        """After a failure: collect the failed operation's orphaned tasks and coroutines now,
+        and wait until its threads' late callbacks (TensorStore reads finishing after the
+        event loop closed) have stopped reporting for `quiet_s`, at most `max_s`."""
+        deadline = time.monotonic() + max_s
+        seen = -1
+        while seen != len(self._records) + len(self._unraisables) and time.monotonic() < deadline:
+            seen = len(self._records) + len(self._unraisables)
+            gc.collect()
+            time.sleep(quiet_s)
+            gc.collect()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for lg in self._loggers:
+            lg.removeFilter(self._hold)
+        sys.unraisablehook = self._old_hook
+        failed = self.failed or exc_type is not None
+        fmt = logging.Formatter("%(levelname)s %(name)s %(filename)s:%(lineno)d] %(message)s")
+        for record in self._records:
+            if failed:
+                self.kept.append(fmt.format(record))
+            elif self.replay:
+                logging.getLogger(record.name).handle(record)
+        for u in self._unraisables:
+            if failed:
+                self.kept.append(f"Exception ignored in: {u.object!r}\n" + "".join(
+                    traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+            else:
+                self._old_hook(u)
+
+
+def _shapes(tree: Any) -> dict[str, tuple]:
+    """Dotted path (nnx's `.value` level dropped) -> shape, for every array leaf of `tree`."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if hasattr(leaf, "shape"):
+            out[".".join(k for k in keys if k != "value")] = tuple(leaf.shape)
+    return out
 
 
 class Checkpointer:
@@ -54,33 +159,72 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Write `state` (arrays) and `meta` (JSON-serialisable) as checkpoint `step`."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        """Write `state` (arrays) and `meta` (JSON-serialisable) as checkpoint `step`; a failed
+        write is a CheckpointError naming the step, with the cause as its `reason`."""
+        with _Held() as held:
+            try:
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                    ),
+                    force=True,
+                )
+                self._manager.wait_until_finished()
+                return
+            except Exception as e:  # noqa: BLE001 - an OSError, or TensorStore's ValueError
+                held.failed = True
+                reason, detail = summarize(e), "".join(traceback.format_exception(e))
+            held.settle()  # what the failed write left behind reports now, held
+        raise _noted(CheckpointError(
+            f"saving checkpoint step {step} in {self.directory} failed: {reason}", reason),
+            [detail, *held.kept])
 
-    def _restore(self, step: int, args: ocp.args.Composite):
+    def mismatch(self, step: int, abstract: Any) -> str | None:
+        """Why checkpoint `step` does not fit `abstract` (arrays or ShapeDtypeStructs): the
+        first array it lacks or holds in another shape, parameters first; None when the
+        shapes agree or the step's metadata cannot be read."""
         try:
-            return self._manager.restore(step, args=args)
-        except Exception as e:  # noqa: BLE001 - re-raised with the folder named
-            path = os.path.join(self.directory, str(step))
-            raise CheckpointError(
-                f"checkpoint {path} cannot be restored into this run's state "
-                f"({type(e).__name__}: {str(e)[:400]}). It may come from another model "
-                "shape or be damaged; use another workdir, or set "
-                "--config.checkpoint.fallback_to_previous=True to resume from an older step."
-            ) from e
+            with _Held(level=logging.WARNING, replay=False), ocp.PyTreeCheckpointer() as reader:
+                tree = reader.metadata(os.path.join(self.directory, str(step), "state"))
+            stored = _shapes(getattr(getattr(tree, "item_metadata", tree), "tree", tree))
+        except Exception:  # noqa: BLE001 - only a more precise message is lost
+            return None
+        wanted = _shapes(abstract)
+        for path in sorted(wanted, key=lambda p: (not p.startswith("params"), p)):
+            if path not in stored:
+                return f"it holds no {path} (this run's model has one of shape {wanted[path]})"
+            if stored[path] != wanted[path]:
+                return f"its {path} has shape {stored[path]}, this run's model {wanted[path]}"
+        return None
+
+    def _restore(self, step: int, args: ocp.args.Composite, abstract: Any):
+        with _Held() as held:
+            try:
+                return self._manager.restore(step, args=args)
+            except Exception as e:  # noqa: BLE001 - re-raised with the folder named
+                held.failed = True
+                missing = isinstance(e, FileNotFoundError)
+                reason, detail = summarize(e), "".join(traceback.format_exception(e))
+            held.settle()  # what the failed read left behind reports now, held
+        path = os.path.join(self.directory, str(step))
+        if missing and not os.path.isdir(path):
+            error = NoSuchStep(f"no checkpoint step {step} in {self.directory}; steps there: "
+                               f"{', '.join(map(str, self.steps())) or 'none'}")
+        else:
+            reason = self.mismatch(step, abstract) or reason
+            error = CheckpointError(
+                f"checkpoint {path} cannot be restored into this run's state: {reason}. It "
+                "comes from another model shape or is damaged: use the config it was written "
+                "with, another --workdir, or --config.checkpoint.fallback_to_previous=True to "
+                "resume from an older step", reason)
+        raise _noted(error, [detail, *held.kept])
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restore checkpoint `step` into the shapes/shardings of `abstract_state`."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         out = self._restore(step, ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()), abstract)
         return out["state"], dict(out["meta"])
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
@@ -93,7 +237,7 @@ class Checkpointer:
         abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)}
         out = self._restore(step, ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-            partial_restore=True)))
+            partial_restore=True)), abstract)
         return out["state"]["params"]
 
     def restore_latest(
@@ -108,15 +252,21 @@ class Checkpointer:
             try:
                 state, meta = self.restore(step, abstract_state)
                 if errors:
-                    logging.warning("resumed from step %d; skipped: %s", step, errors)
+                    logging.warning("resumed from step %d; skipped: %s", step,
+                                    "; ".join(str(e) for e in errors))
                     self._set_aside(bad)
                 return step, state, meta
             except CheckpointError as e:
                 if not fallback_to_previous:
                     raise
-                errors.append(str(e))
+                errors.append(e)
                 bad.append(step)
-        raise CheckpointError("no checkpoint could be restored:\n" + "\n".join(errors))
+        raise _noted(CheckpointError(
+            f"none of the checkpoints in {self.directory} (steps "
+            f"{', '.join(map(str, bad))}) can be restored into this run's state (step {bad[0]}: "
+            f"{errors[0].reason}); they come from another model shape or are damaged: use the "
+            "config they were written with, or another --workdir (nothing was moved)"),
+            [note for e in errors for note in [str(e), *getattr(e, "__notes__", [])]])
 
     def _set_aside(self, steps: list[int]) -> None:
         """Move unreadable steps out of the manager's folder (kept for inspection, not
@@ -137,20 +287,32 @@ class Checkpointer:
         self._manager.close()
 
 
+def _noted(error: CheckpointError, notes: list[str]) -> CheckpointError:
+    """`error` with `notes` (tracebacks, held library output) as its detail."""
+    for text in notes:
+        error.add_note(text.rstrip())
+    return error
+
+
 def load_params(directory: str, abstract_params: Any, *, step: int | None = None
                 ) -> tuple[Any, int]:
     """(params, step) of a trainer checkpoint folder (WORKDIR/checkpoints), parameters only.
 
     `abstract_params` gives the structure, shapes and shardings (e.g. the run's initial
     policy); `step=None` takes the newest complete step. CheckpointError when the folder
-    holds no checkpoint or the step does not fit `abstract_params` (another model shape).
+    holds no checkpoint or the step does not fit `abstract_params` (another model shape);
+    NoSuchStep, listing the steps there, when it holds no `step`.
     """
     ckpt = Checkpointer(directory)
     try:
+        steps = ckpt.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {directory}")
         if step is None:
-            step = ckpt.latest_step()
-            if step is None:
-                raise CheckpointError(f"no checkpoint in {directory}")
+            step = steps[-1]
+        elif step not in steps:
+            raise NoSuchStep(f"no checkpoint step {step} in {ckpt.directory}; steps there: "
+                             f"{', '.join(map(str, steps))}")
         return ckpt.restore_params(step, abstract_params), step
     finally:
         ckpt.close()

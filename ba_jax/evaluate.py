@@ -344,10 +344,13 @@ def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[A
             mesh = build.make_mesh(cfg) if mesh is None else mesh
             graphdef, target = build.init_policy(cfg, mesh)
             params, info["step"] = checkpoint.load_params(folder, target, step=step)
+        except checkpoint.NoSuchStep:
+            raise
         except checkpoint.CheckpointError as e:
             raise checkpoint.CheckpointError(
-                f"{e}\nThe trainer checkpoint is read with --config's model; pass the config "
-                "the run was trained with (same variant and overrides).") from None
+                f"{str(e).split('. It comes from')[0]}: a trainer checkpoint is read with "
+                "--config's model; pass the config the run was trained with (same variant and "
+                "overrides)") from e
         model = nnx.merge(graphdef, params)
         info["workdir"] = os.path.dirname(os.path.abspath(folder))
         tokenizer = build.load_tokenizer(cfg, info["workdir"])  # honours config.tokenizer_path
@@ -464,17 +467,17 @@ def _define_flags():
     flags.DEFINE_integer("num_workers", 0, "scorer processes / sandbox threads (0: per CPU)")
     flags.DEFINE_float("code_timeout_s", 6.0, "seconds per LiveCodeBench test")
     flags.DEFINE_bool("save_samples", True, "write OUT/samples/<benchmark>.jsonl")
+    from ba_jax import cli
+
+    flags.DEFINE_bool("verbose", False, cli.VERBOSE_HELP)
     flags.mark_flags_as_required(["config", "checkpoint"])
 
 
 def main(argv) -> None:
     del argv
-    import sys
-
     from absl import flags, logging
 
-
-    from ba_jax import build, checkpoint, eval_sets, run_config
+    from ba_jax import build, checkpoint, cli, eval_sets, run_config
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
     F = flags.FLAGS
@@ -499,8 +502,14 @@ def main(argv) -> None:
                         if info["kind"] == "trainer" else os.path.join(info["path"], "eval"))
         results = run_evaluation(model, tokenizer, benches, settings, out_dir=out, info=info,
                                  mesh=mesh, save_samples=F.save_samples)
+    except checkpoint.NoSuchStep as e:
+        e.args = (f"--step={F.step}: {e} (--step=-1 takes the newest)",)
+        cli.fail("ba_jax.evaluate", e, verbose=F.verbose)
     except (ValueError, FileNotFoundError, run_config.ConfigError, checkpoint.CheckpointError) as e:
-        sys.exit(f"ba_jax.evaluate: {e}")
+        # the log goes beside the results: --out, or a trainer WORKDIR's own folder
+        log_dir = F.out or (F.checkpoint if os.path.isdir(os.path.join(F.checkpoint, "checkpoints"))
+                            else None)
+        cli.fail("ba_jax.evaluate", e, verbose=F.verbose, log_dir=log_dir)
     print(results_table(results), end="")
     print(f"wrote {os.path.join(out, 'results.json')} and results.md")
 
@@ -508,5 +517,7 @@ def main(argv) -> None:
 if __name__ == "__main__":
     from absl import app
 
+    from ba_jax import cli
+
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.absl_flags_parser("ba_jax.evaluate"))

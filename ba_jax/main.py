@@ -2,16 +2,19 @@
 
 Resumes automatically from DIR. Any config field can be overridden on the command line
 (`--config.grpo.aggregation=token`); the config is locked, so a misspelled key is an
-error rather than a silently ignored option. No logic lives here.
+error rather than a silently ignored option. An error a user can act on is one line
+(`ba_jax: ...`, cli.py); its traceback goes to DIR/error.log, or to the terminal with
+`--verbose`. No logic lives here.
 """
-
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from ba_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run folder (metrics, checkpoints, plots)")
+_VERBOSE = flags.DEFINE_bool("verbose", False, cli.VERBOSE_HELP)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -24,9 +27,10 @@ def main(argv):
 
     try:
         print(train.train_and_evaluate(_CONFIG.value, _WORKDIR.value))
-    except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError) as e:
-        sys.exit(f"ba_jax: {e}")
+    except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError,
+            OSError) as e:  # OSError: a write to the workdir failed (disk full, permissions)
+        cli.fail("ba_jax", e, verbose=_VERBOSE.value, log_dir=_WORKDIR.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.absl_flags_parser("ba_jax"))

@@ -87,15 +87,47 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
         if self._bar is not None:
-            self._bar.update(1)
+            # The last step counts once the run has finished (its checkpoint saved): a save
+            # that fails there must not leave a bar at 100% above the error.
+            if self._bar.n + 1 < self._bar.total:
+                self._bar.update(1)
             self._bar.set_postfix(reward=f"{record.get('reward_mean') or 0:.3f}",
                                   acc=f"{record.get('accuracy') or 0:.3f}", refresh=False)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Close the files; `finished=False` (the run stopped on an error): the bar stays at
+        the steps done, marked stopped, and a file that cannot be flushed (a full disk) does
+        not hide the run's own error."""
         if not self.enabled:
             return
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
         if self._bar is not None:
+            if finished:
+                self._bar.update(self._bar.total - self._bar.n)
+            else:
+                self._bar.set_description("train stopped", refresh=False)
             self._bar.close()
+        try:
+            self._file.close()
+        except OSError:
+            if finished:
+                raise
+        if self._tb is not None:
+            _close_tensorboard(self._tb, report=finished)
+
+
+def _close_tensorboard(tb, *, report: bool) -> None:
+    """Close a tensorboardX writer; where its files cannot be flushed (a full disk), stop its
+    writer threads and mark them closed, so that neither this call nor tensorboardX's exit
+    hook prints a traceback per file (TensorBoard is optional output: metrics.jsonl is the
+    record)."""
+    try:
+        tb.close()
+    except OSError as e:
+        if report:  # a failed run's own error says more
+            print(f"TensorBoard files in {tb.logdir} were not flushed: {e}")
+        for writer in (tb.all_writers or {}).values():
+            events = writer.event_writer
+            worker = getattr(events, "_worker", None)
+            if worker is not None:
+                worker.stop()
+            events._closed = True  # what tensorboardX checks before flushing again

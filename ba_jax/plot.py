@@ -2,8 +2,9 @@
 
 Reads each run's `metrics.jsonl` and writes one PNG per quantity (reward, accuracy,
 response length, and the aggregation diagnostics when logged) so that runs that differ
-only in `grpo.aggregation` can be compared at a glance. Output goes to `--out`
-(default: `plots/` inside the first workdir).
+only in `grpo.aggregation` can be compared at a glance. Each curve is a trailing moving
+average over `--window` steps (default 10; 1 plots the raw per-step values), and every
+title says so. Output goes to `--out` (default: `plots/` inside the first workdir).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def smooth(y: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
+def caption(title: str, window: int) -> str:
+    """A panel's title, saying what its curves are: raw values or a moving average."""
+    what = (f"trailing {window}-step moving average" if window > 1 else "per-step values")
+    return f"{title}\n{what}"
+
+
 def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[str]:
     """Write one PNG per panel with every run overlaid; return the files written."""
     import matplotlib
@@ -61,7 +68,7 @@ def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[st
             x = np.array([r["step"] for r in rows])
             y = np.array([np.nan if r.get(key) is None else r.get(key) for r in rows], float)
             ax.plot(x, smooth(y, window), label=name)
-        ax.set_title(title)
+        ax.set_title(caption(title, window), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ba_jax.plot", description=__doc__.split("\n")[0])
     parser.add_argument("workdirs", nargs="+", help="run folders holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="output folder (default: FIRST/plots)")
-    parser.add_argument("--window", type=int, default=10, help="moving-average window (steps)")
+    parser.add_argument("--window", type=int, default=10, help="trailing moving-average window in steps (1: raw values)")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.workdirs[0], "plots")
     for path in plot_runs(args.workdirs, out, window=args.window):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -160,3 +161,143 @@ def test_error_unsupported_config(hf_dirs, change, message):
 def test_load_tokenizer_missing_folder_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         convert_hf.load_tokenizer(str(tmp_path))
+
+
+# ------------------------------------------------- the command's folders (issue 22 item 4)
+
+
+def _logits(model, tokens_BT):
+    return np.asarray(model(jnp.asarray(tokens_BT)))
+
+
+def _siblings(path):
+    """Temporary folders convert leaves beside `path` (none, after any outcome)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return [n for n in os.listdir(parent) if n.startswith(f".{name}.")]
+
+
+def test_convert_into_an_existing_conversion_is_refused_then_replaced(hf_dirs, tokens_BT,
+                                                                      tmp_path):
+    a, b = hf_dirs["qwen3_tied"], hf_dirs["qwen3_untied"]
+    out = str(tmp_path / "ckpt")
+    convert_hf.convert(a, out)
+    before = open(os.path.join(out, "model_config.json")).read()
+    with pytest.raises(FileExistsError, match=r"already holds a conversion: pass --overwrite"):
+        convert_hf.convert(b, out)
+    assert open(os.path.join(out, "model_config.json")).read() == before  # untouched
+    np.testing.assert_allclose(_logits(convert_hf.load_checkpoint(out), tokens_BT),
+                               hf_logits(a, tokens_BT), atol=ATOL)  # and still loads
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):  # the library call
+        convert_hf.save_checkpoint(convert_hf.load_hf(b), out)
+    assert open(os.path.join(out, "model_config.json")).read() == before
+    convert_hf.convert(b, out, overwrite=True)
+    np.testing.assert_allclose(_logits(convert_hf.load_checkpoint(out), tokens_BT),
+                               hf_logits(b, tokens_BT), atol=ATOL)
+    assert _siblings(out) == []
+
+
+@pytest.mark.parametrize("where", ["same folder", "inside", "inside through a symlink",
+                                   "holding --hf"])
+def test_convert_refuses_an_out_at_or_inside_hf(hf_dirs, tmp_path, where):
+    import shutil
+
+    hf = str(tmp_path / "hf")
+    shutil.copytree(hf_dirs["qwen2_tied"], hf)
+    os.symlink(hf, tmp_path / "link")
+    out = {"same folder": hf, "inside": os.path.join(hf, "ckpt"),
+           "inside through a symlink": str(tmp_path / "link" / "ckpt"),
+           "holding --hf": str(tmp_path)}[where]
+    listing = sorted(os.listdir(hf))
+    with pytest.raises((ValueError, FileExistsError), match=r"--out .*(--hf|holds)"):
+        convert_hf.convert(str(tmp_path / "link") if where == "same folder" else hf, out,
+                           overwrite=True)
+    assert sorted(os.listdir(hf)) == listing  # nothing written into the source
+
+
+def test_a_failed_convert_leaves_no_half_folder(tmp_path, hf_dirs, tokens_BT):
+    broken = make_tiny_hf(tmp_path / "broken", arch="qwen3", tie=False)
+    _rewrite(broken, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    out = str(tmp_path / "new")
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        convert_hf.convert(broken, out)
+    assert not os.path.exists(out) and _siblings(out) == []
+    old = str(tmp_path / "old")  # --overwrite: the old conversion stays until the new is whole
+    convert_hf.convert(hf_dirs["qwen2_untied"], old)
+    with pytest.raises(KeyError):
+        convert_hf.convert(broken, old, overwrite=True)
+    np.testing.assert_allclose(_logits(convert_hf.load_checkpoint(old), tokens_BT),
+                               hf_logits(hf_dirs["qwen2_untied"], tokens_BT), atol=ATOL)
+    assert _siblings(old) == []
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("no --hf folder", r"^convert_hf: --hf '.*/absent' is not a folder$"),
+    ("--out inside --hf", r"^convert_hf: --out '.*/hf/ckpt' lies inside --hf \(.*\): the conversion "
+                          r"would be written into the source folder; choose an --out outside it$"),
+    ("--out exists", r"^convert_hf: --out '.*/done' already holds a conversion: pass --overwrite "),
+    ("damaged config.json", r"^convert_hf: .*/bad/config.json is not valid JSON \("),
+])
+def test_command_errors_are_one_or_two_lines(hf_dirs, tmp_path, case, pattern):
+    import shutil
+    import subprocess
+    import sys
+
+    hf = str(tmp_path / "hf")
+    shutil.copytree(hf_dirs["qwen2_tied"], hf)
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "model_config.json").write_text("{}")
+    shutil.copytree(hf, tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    hf_arg, out = {"no --hf folder": (str(tmp_path / "absent"), str(tmp_path / "o")),
+                   "--out inside --hf": (hf, os.path.join(hf, "ckpt")),
+                   "--out exists": (hf, str(tmp_path / "done")),
+                   "damaged config.json": (str(tmp_path / "bad"), str(tmp_path / "o"))}[case]
+    argv = [sys.executable, "-m", "ba_jax.models.convert_hf", "--hf", hf_arg, "--out", out]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and 1 <= len(lines) <= 2, proc.stderr  # before: 12-31 lines
+    assert re.search(pattern, lines[0]), lines[0]
+    if len(lines) == 2:
+        assert lines[1] == "  (--verbose prints the full detail)"
+    verbose = subprocess.run(argv + ["--verbose"], capture_output=True, text=True, timeout=300)
+    assert "Traceback (most recent call last)" in verbose.stderr
+
+
+# ------------------------------------------------- export: a folder that loads as it is (item 11)
+
+
+def test_export_writes_the_tokenizer_and_generation_config(hf_dirs, tmp_path, capsys):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ba_jax.tasks import arithmetic
+
+    hf = str(tmp_path / "hf")
+    import shutil
+
+    shutil.copytree(hf_dirs["qwen3_tied"], hf)
+    tok_dir = arithmetic.save_tokenizer(str(tmp_path / "tok"))
+    for name in os.listdir(tok_dir):
+        shutil.copy(os.path.join(tok_dir, name), hf)
+    conv = str(tmp_path / "conv")
+    convert_hf.convert(hf, conv)
+    assert os.path.isfile(os.path.join(conv, "tokenizer.json"))
+    # from a convert_hf folder: its tokenizer and the HF folder's generation config
+    written = convert_hf.export_hf(convert_hf.load_checkpoint(conv), str(tmp_path / "a"))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(
+        written)
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "a"))) == len(
+        AutoTokenizer.from_pretrained(tok_dir))
+    assert GenerationConfig.from_pretrained(str(tmp_path / "a")).eos_token_id == 2
+    assert "no tokenizer" not in capsys.readouterr().out
+    # a model whose folder has no tokenizer: one line says so; a generation config is made
+    written = convert_hf.export_hf(convert_hf.load_hf(hf_dirs["qwen2_tied"]), str(tmp_path / "b"))
+    out = capsys.readouterr().out.splitlines()
+    assert "tokenizer.json" not in written and len(out) == 2 and out[1].startswith(
+        "export_hf: no tokenizer written")
+    assert GenerationConfig.from_pretrained(str(tmp_path / "b")).bos_token_id == 1
+    # a tokenizer passed in (a run's own): saved beside the weights
+    model = convert_hf.load_hf(hf_dirs["qwen2_tied"])
+    written = convert_hf.export_hf(model, str(tmp_path / "c"),
+                                   tokenizer=AutoTokenizer.from_pretrained(tok_dir))
+    assert "tokenizer.json" in written and "no tokenizer" not in capsys.readouterr().out
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "c"))) == 101

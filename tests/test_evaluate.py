@@ -343,11 +343,11 @@ def _debug_config(**overrides):
 
 @pytest.fixture(scope="module")
 def trained_workdir(tmp_path_factory):
-    """A trainer workdir of the debug config: warm-up only, checkpoint at step 0."""
+    """A trainer workdir of the debug config: warm-up and one RL step, checkpoint at step 1."""
     from ba_jax import train
 
     workdir = str(tmp_path_factory.mktemp("run"))
-    train.train_and_evaluate(_debug_config(num_train_steps=0), workdir)
+    train.train_and_evaluate(_debug_config(num_train_steps=1), workdir)
     return workdir
 
 
@@ -364,7 +364,7 @@ def test_command_end_to_end_on_a_trainer_checkpoint(trained_workdir, tmp_path):
     res = json.load(open(os.path.join(out, "results.json")))
     s = res["settings"]
     assert (s["seed"], s["temperature"], s["top_p"], s["k"], s["max_new_tokens"], s["step"]) == (
-        3, 1.0, 0.9, 2, 6, 0)
+        3, 1.0, 0.9, 2, 6, 1)
     assert s["checkpoint_kind"] == "trainer" and s["checkpoint"].endswith("checkpoints")
     assert list(res["benchmarks"]) == list(es.BENCHMARKS)
     for name, e in res["benchmarks"].items():
@@ -389,3 +389,30 @@ def test_command_rejects_a_wrong_config(trained_workdir, tmp_path):
     cfg = _debug_config(**{"model.hidden_size": 64})
     with pytest.raises(Exception, match="config the run was trained with"):
         ev.load_model(cfg, trained_workdir)
+
+
+def test_an_absent_step_lists_the_steps_there(trained_workdir, tmp_path):
+    from ba_jax import checkpoint
+
+    with pytest.raises(checkpoint.NoSuchStep, match=r"^no checkpoint step 7 in .*checkpoints; "
+                       r"steps there: 0, 1$"):
+        ev.load_model(_debug_config(), trained_workdir, step=7)
+    # as a user runs it: one line, naming the flag and the steps (before: the model-shape advice)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ba_jax.evaluate", "--config=configs/default.py:debug",
+         f"--checkpoint={trained_workdir}", f"--bench_dir={BENCH}", "--benchmarks=math500",
+         "--k=1", "--limit=1", "--step=7", f"--out={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and lines == [
+        f"ba_jax.evaluate: --step=7: no checkpoint step 7 in {trained_workdir}/checkpoints; "
+        "steps there: 0, 1 (--step=-1 takes the newest)"], proc.stderr[-3000:]
+
+
+def test_a_checkpoint_of_another_shape_names_the_array(trained_workdir):
+    from ba_jax import checkpoint
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"its params.embed_tokens.embedding has "
+                       r"shape \(101, 32\), this run's model \(101, 48\): a trainer checkpoint "
+                       r"is read with --config's model; pass the config the run was trained with"):
+        ev.load_model(_debug_config(**{"model.hidden_size": 48}), trained_workdir)

@@ -7,6 +7,9 @@ key or option) or in a counted skip; never a traceback halfway through a run.
 import json
 import os
 import random
+import re
+import shutil
+import subprocess
 import sys
 
 import jax
@@ -162,6 +165,8 @@ BAD = [
     ("init folder missing", _cfg_case({"model.init": "hf", "model.init_path": "/nonexistent/qwen"}),
      ConfigError, "/nonexistent/qwen"),
     ("unknown preset", _cfg_case({"model.preset": "Qwen9-1B"}), ConfigError, "Qwen9-1B"),
+    ("unknown preset lists the names", _cfg_case({"model.preset": "qwen9-1b"}), ConfigError,
+     r"config.model.preset='qwen9-1b'; valid \(in any letter case\): Qwen2\.5-0\.5B, .*Qwen3-8B"),
     ("heads not multiple of kv heads", _cfg_case({"model.num_kv_heads": 3}), ConfigError,
      "num_kv_heads"),
     ("unknown task", _cfg_case({"task": "chess"}), ConfigError, "config.task"),
@@ -190,6 +195,42 @@ BAD = [
      ConfigError, "/nonexistent/tok"),
     ("chat template missing", _data_case(rows=_good_rows(), **{"data.template": "chat"}),
      ConfigError, "template"),
+    ("one sample per prompt", _cfg_case({"rollout.num_samples": 1}), ConfigError,
+     r"config.rollout.num_samples=1: GRPO needs >= 2 samples per prompt"),
+    ("negative eps_low", _cfg_case({"grpo.eps_low": -0.1}), ConfigError, "config.grpo.eps_low"),
+    ("negative eps_high", _cfg_case({"grpo.eps_high": -0.1}), ConfigError, "eps_high=-0.1"),
+    ("zero train steps", _cfg_case({"num_train_steps": 0}), ConfigError,
+     "config.num_train_steps=0 must be >= 1"),
+    ("negative top_k", _cfg_case({"rollout.top_k": -1}), ConfigError, "config.rollout.top_k=-1"),
+    ("kl kind without beta", _cfg_case({"grpo.kl_kind": "k3"}), ConfigError,
+     r"config.grpo.kl_kind='k3' needs config.grpo.kl_beta > 0 \(got 0.0\)"),
+    ("kl beta without kind", _cfg_case({"grpo.kl_beta": 0.1}), ConfigError,
+     r"config.grpo.kl_beta=0.1 has no effect with config.grpo.kl_kind='none'"),
+    ("negative logits chunk", _cfg_case({"model.logits_chunk": -1}), ConfigError,
+     "config.model.logits_chunk=-1 must be an integer >= 0"),
+    ("rows past the model's positions", _cfg_case({"model.max_position_embeddings": 32}),
+     ConfigError, r"rows need \d+ positions .*max_position_embeddings=32: shorten them, or set "
+     r"config.model.position_limit="),
+    ("custom rule raises", _cfg_case({"grpo.aggregation": "custom_rules:raises"}), ConfigError,
+     "config.grpo.aggregation='custom_rules:raises' fails on .*RuntimeError: this rule is broken"),
+    ("custom rule without options", _cfg_case({"grpo.aggregation": "custom_rules:no_options"}),
+     ConfigError, r"config.grpo.aggregation=.*no_options.*declare \*\*options"),
+    ("custom rule wrong shape", _cfg_case({"grpo.aggregation": "custom_rules:wrong_shape"}),
+     ConfigError, r"config.grpo.aggregation=.*returned shape \(2,\) .*expected"),
+    ("custom rule returns None", _cfg_case({"grpo.aggregation": "custom_rules:returns_none"}),
+     ConfigError, "config.grpo.aggregation=.*returned None"),
+    ("custom rule not finite", _cfg_case({"grpo.aggregation": "custom_rules:not_finite"}),
+     ConfigError, "config.grpo.aggregation=.*non-finite weights"),
+    ("zero prompt tokens", _cfg_case({"data.max_prompt_tokens": 0}), ConfigError,
+     "config.data.max_prompt_tokens=0"),
+    ("chat template for arithmetic", _cfg_case({"data.template": "chat"}), ConfigError,
+     "config.data.template='chat' applies to task=dataset only"),
+    ("tokenizer larger than vocabulary", _cfg_case({"model.vocab_size": 64}), ConfigError,
+     r"has 101 tokens \(largest id 100.*vocabulary has 64 \(config.model.vocab_size\)"),
+    ("checkpoint folder without tokenizer", lambda tmp, tok: (_dataset_cfg(
+        _jsonl(tmp / "d.jsonl", _good_rows()), **{"model.init": "checkpoint",
+                                                  "model.init_path": str(tmp)}), str(tmp / "run")),
+     ConfigError, "config.tokenizer_path is required .*holds no tokenizer.json"),
     ("workdir under a file", lambda tmp, tok: (debug_config(), str(_jsonl(tmp / "f", [])) + "/run"),
      ConfigError, "workdir"),
     ("workdir in use by another run", _workdir_in_use, ConfigError,
@@ -203,6 +244,59 @@ def test_bad_input_is_a_clear_startup_error(tmp_path, char_tokenizer, name, make
     with pytest.raises(exc, match=pattern):
         train.train_and_evaluate(cfg, wd)
     assert not os.path.exists(os.path.join(wd, "metrics.jsonl"))  # failed before any step
+
+
+def test_valid_custom_rule_trains(tmp_path):
+    wd = str(tmp_path)
+    train.train_and_evaluate(debug_config(**{"num_train_steps": 1,
+                                             "grpo.aggregation": "custom_rules:per_sequence"}), wd)
+    assert [r["step"] for r in read_metrics(wd)] == [1]
+
+
+def test_every_builtin_rule_passes_the_startup_check():
+    from ba_jax import aggregation
+
+    for rule in aggregation.RULES:
+        for degenerate in (True, False):
+            aggregation.check_rule(rule, max_len=8, count_degenerate_groups=degenerate)
+
+
+def test_special_ids_past_the_vocabulary_are_named():
+    class Tok:  # 10 tokens, but an EOS id far past them
+        pad_token_id, all_special_ids, name_or_path = 0, [0, 70], "tok"
+
+        def __len__(self):
+            return 10
+
+        def get_vocab(self):
+            return {str(i): i for i in range(10)}
+
+    cfg = debug_config()
+    build.check_tokenizer_fits(cfg, Tok(), 101, [70])  # fits a vocabulary of 101
+    with pytest.raises(ConfigError, match=r"largest id 70; EOS id 70, special id 70\) but the "
+                       r"model's vocabulary has 64 \(config.model.vocab_size\)"):
+        build.check_tokenizer_fits(cfg, Tok(), 64, [70])
+
+
+def test_checkpoint_folder_from_convert_hf_brings_its_tokenizer(tmp_path, char_tokenizer):
+    import shutil
+
+    from ba_jax import run_config
+    from ba_jax.models import convert_hf
+    from helpers_hf import make_tiny_hf
+
+    hf = make_tiny_hf(tmp_path / "hf", arch="qwen3", tie=True)  # vocabulary of 128
+    for name in os.listdir(char_tokenizer):
+        shutil.copy(os.path.join(char_tokenizer, name), hf)
+    out = str(tmp_path / "ckpt")
+    convert_hf.main(["--hf", hf, "--out", out])
+    cfg = _dataset_cfg(_jsonl(tmp_path / "d.jsonl", _good_rows()),
+                       **{"model.init": "checkpoint", "model.init_path": out})
+    assert not cfg.tokenizer_path
+    run_config.validate(cfg, len(jax.devices()))
+    tok = build.load_tokenizer(cfg, str(tmp_path / "run"))
+    assert os.path.samefile(tok.name_or_path, out) and len(tok) == 101
+    build.check_tokenizer_fits(cfg, tok, 128, train._eos_ids(tok))
 
 
 def test_bad_rows_are_skipped_and_counted(tmp_path, char_tokenizer):
@@ -260,6 +354,253 @@ def test_full_disk_at_save_stops_cleanly_and_keeps_last_checkpoint(tmp_path, mon
     monkeypatch.setattr(checkpoint.Checkpointer, "save", real_save)
     train.train_and_evaluate(cfg, wd)  # space is back: resumes from step 1 and finishes
     assert [r["step"] for r in read_metrics(wd)] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------- walls of text (issue 22 item 9)
+
+
+def _errors(stderr: str) -> list[str]:
+    """The lines of a command's stderr a user reads after it stops: progress-bar redraws
+    (tqdm's carriage returns) reduced to their last state, the bar itself and blanks dropped."""
+    lines = [line.split("\r")[-1].rstrip() for line in stderr.split("\n")]
+    return [line for line in lines if line and not re.match(r"^train( stopped)?:\s+\d+%", line)]
+
+
+def _command(module, *args, wrapper=None, cwd=REPO, timeout=300):
+    """`python -m module args` (or `python -c wrapper args`, which runs it), as a user would."""
+    head = ["-c", wrapper] if wrapper else ["-m", module]
+    return subprocess.run([sys.executable, *head, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# Runs ba_jax.main with Orbax's array writes failing as TensorStore fails on a full disk:
+# a ValueError carrying os_error_code='28', after an ERROR log from a writer thread.
+_FULL_DISK = """
+import logging, runpy, sys
+import orbax.checkpoint as ocp
+real = ocp.CheckpointManager.save
+def save(self, step, *args, **kwargs):
+    if step == 2:
+        logging.getLogger("absl").error("_SignalingThread.run() raised an exception: "
+                                        "RESOURCE_EXHAUSTED: Error writing ...")
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.1.0.mu" in OCDBT database '
+                         'at local file "...": Failed to write 21300 bytes to file 22: No space '
+                         "left on device [os_error_code='28']")
+    return real(self, step, *args, **kwargs)
+ocp.CheckpointManager.save = save
+sys.argv = ["ba_jax.main"] + sys.argv[1:]
+runpy.run_module("ba_jax.main", run_name="__main__")
+"""
+
+# Fills the tmpfs the workdir lies on just before step 2's save, so the save fails for real.
+_FILL_DISK = """
+import os, runpy, sys
+from ba_jax import checkpoint
+real = checkpoint.Checkpointer.save
+def save(self, step, *args, **kwargs):
+    if step == 2:
+        with open(os.path.join(os.path.dirname(self.directory), "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"0" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+    return real(self, step, *args, **kwargs)
+checkpoint.Checkpointer.save = save
+sys.argv = ["ba_jax.main"] + sys.argv[1:]
+runpy.run_module("ba_jax.main", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A debug-config workdir trained for 1 step (checkpoints 0 and 1)."""
+    wd = str(tmp_path_factory.mktemp("trained"))
+    train.train_and_evaluate(debug_config(num_train_steps=1), wd)
+    return wd
+
+
+def _copy_of(trained_run, tmp):
+    wd = str(tmp / "run")
+    shutil.copytree(trained_run, wd)
+    return wd
+
+
+MAIN = ("--config=configs/default.py:debug",)
+# (case id, command arguments given (tmp, trained run), stderr pattern of the first line,
+# whether a second line names the detail). Before (the new user's trial): a misspelled key
+# 55-57 lines, a missing config file 39-41, a full disk 120-317, a changed model resumed
+# with fallback_to_previous 4-707 (one line per array and per finalised coroutine).
+WALLS = [
+    ("misspelled config key", lambda tmp, run: ("ba_jax.main", *MAIN, f"--workdir={tmp}/w",
+                                                "--config.grpo.agregation=token"),
+     r"^ba_jax: --config.grpo.agregation=token: config.grpo has no key 'agregation'; did you "
+     r"mean 'aggregation'\?", False),
+    ("misspelled config section", lambda tmp, run: ("ba_jax.main", *MAIN, f"--workdir={tmp}/w",
+                                                    "--config.gropo.aggregation=token"),
+     r"^ba_jax: --config.gropo.aggregation=token: config has no key 'gropo'; did you mean "
+     r"'grpo'\?", False),
+    ("missing config file", lambda tmp, run: ("ba_jax.main", "--config=configs/nope.py",
+                                              f"--workdir={tmp}/w"),
+     r"^ba_jax: --config: the config file cannot be read: \[Errno 2\] No such file or "
+     r"directory: 'configs/nope.py'", False),
+    ("unknown config variant", lambda tmp, run: ("ba_jax.main", "--config=configs/default.py:x",
+                                                 f"--workdir={tmp}/w"),
+     r"^ba_jax: --config=configs/default.py:x: configs/default.py: unknown variant 'x'", False),
+    ("changed model with fallback_to_previous", lambda tmp, run: (
+        "ba_jax.main", *MAIN, f"--workdir={_copy_of(run, tmp)}", "--config.num_train_steps=3",
+        "--config.model.hidden_size=48", "--config.checkpoint.fallback_to_previous=True"),
+     r"^ba_jax: none of the checkpoints in .*/run/checkpoints \(steps 1, 0\) can be restored "
+     r"into this run's state \(step 1: its params.embed_tokens.embedding has shape \(101, 32\), "
+     r"this run's model \(101, 48\)\); .*use the config they were written with", True),
+    ("changed model without fallback", lambda tmp, run: (
+        "ba_jax.main", *MAIN, f"--workdir={_copy_of(run, tmp)}", "--config.num_train_steps=3",
+        "--config.model.num_layers=2"),
+     r"^ba_jax: checkpoint .*/run/checkpoints/1 cannot be restored into this run's state: its "
+     r"params.layers.\S+ has shape \(1, .*this run's model \(2, ", True),
+]
+
+
+@pytest.mark.parametrize("name,args,pattern,detail", WALLS, ids=[w[0] for w in WALLS])
+def test_an_error_is_one_or_two_lines(tmp_path, trained_run, name, args, pattern, detail):
+    module, *argv = args(tmp_path, trained_run)
+    proc = _command(module, *argv)
+    lines = _errors(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 1 + detail, proc.stderr[-3000:]
+    assert re.search(pattern, lines[0]), lines[0]
+    if detail:  # the detail is in the workdir's error.log, named on the second line
+        log = os.path.join(tmp_path, "run", "error.log")
+        assert lines[1] == f"  (full detail in {log}; --verbose prints it)"
+        assert "Traceback (most recent call last)" in open(log).read()
+        verbose = _errors(_command(module, *argv, "--verbose").stderr)
+        assert len(verbose) > 10 and re.search(pattern, verbose[-1])  # the traceback, then it
+
+
+@pytest.mark.parametrize("kind", ["tensorstore error", "real full tmpfs"])
+def test_full_disk_at_save_is_two_lines_and_the_bar_is_not_complete(tmp_path, kind):
+    wd = str(tmp_path / "w")
+    argv = [*MAIN, f"--workdir={wd}"]
+    if kind == "tensorstore error":
+        proc = _command(None, *argv, wrapper=_FULL_DISK)
+    else:
+        os.makedirs(wd)
+        probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True) if shutil.which(
+            "unshare") else None
+        if probe is None or probe.returncode != 0:
+            pytest.skip("this machine cannot mount a private tmpfs (unshare -rm)")
+        proc = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=32m tmpfs "$0" && exec "$@"', wd, sys.executable, "-c", _FILL_DISK, *argv],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = _errors(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 2, proc.stderr[-3000:]
+    assert re.fullmatch(r"ba_jax: saving checkpoint step 2 in .*/w/checkpoints failed \(\[Errno 28\] "
+                        r"No space left on device\); the previous checkpoint \(step 0\) is "
+                        r"intact: fix the cause and run again to resume from it", lines[0]), lines[0]
+    assert "--verbose" in lines[1]
+    bar = [seg for seg in proc.stderr.replace("\r", "\n").split("\n") if "it/s" in seg or "s/it" in seg]
+    assert bar and "train stopped" in bar[-1] and "100%" not in proc.stderr
+
+
+def test_a_failed_save_stops_the_run_and_names_the_cause(tmp_path, monkeypatch, capfd):
+    import orbax.checkpoint as ocp
+
+    real = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step == 3:
+            raise ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on device "
+                             "[os_error_code='28']")
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    wd = str(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 3 .* failed \(\[Errno 28\] No "
+                       r"space left on device\); the previous checkpoint \(step 2\) is intact"):
+        train.train_and_evaluate(debug_config(), wd)
+    err = capfd.readouterr().err
+    assert "train stopped" in err and "100%" not in err  # the bar does not claim the last step
+    assert [r["step"] for r in read_metrics(wd)] == [1, 2, 3]
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real)
+    assert "run complete" not in train.train_and_evaluate(debug_config(), wd)  # step 3 is redone
+    assert [r["step"] for r in read_metrics(wd)] == [1, 2, 3]
+
+
+def test_resume_of_another_model_with_fallback_names_the_array(trained_run, tmp_path):
+    wd = _copy_of(trained_run, tmp_path)
+    cfg = debug_config(**{"model.hidden_size": 48, "checkpoint.fallback_to_previous": True})
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        train.train_and_evaluate(cfg, wd)
+    assert "\n" not in str(info.value)
+    assert re.fullmatch(r"none of the checkpoints in .*checkpoints \(steps 1, 0\) can be restored "
+                        r"into this run's state \(step 1: its params.embed_tokens.embedding has "
+                        r"shape \(101, 32\), this run's model \(101, 48\)\); they come from another "
+                        r"model shape or are damaged: use the config they were written with, or "
+                        r"another --workdir \(nothing was moved\)", str(info.value))
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["0", "1"]
+    assert any("Requested shape" in note for note in info.value.__notes__)  # Orbax's own words
+
+
+# ----------------------------------------------------------------- names and docs (item 11)
+
+
+def test_presets_are_found_in_any_letter_case():
+    from ba_jax import run_config
+    from ba_jax.models import qwen
+
+    for name in ("qwen3-0.6b", "QWEN3-0.6B", "Qwen3-0.6B"):
+        cfg = debug_config(**{"model.preset": name, "mesh.data": 1})
+        run_config.validate(cfg, 1)
+        mc = run_config.model_config(cfg)
+        assert mc.hidden_size == qwen.PRESETS["Qwen3-0.6B"].hidden_size
+    import importlib.util  # configs/paper.py's lower-case model names resolve too
+
+    spec = importlib.util.spec_from_file_location("paper", os.path.join(REPO, "configs", "paper.py"))
+    paper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paper)
+    for lower in paper.MODELS:
+        assert run_config.preset_name(lower) == paper.MODELS[lower][0]
+
+
+def test_plot_titles_say_they_are_moving_averages(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from ba_jax import plot
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 6):
+            f.write(json.dumps({"step": step, "reward_mean": 0.1 * step, "accuracy": 0.5}) + "\n")
+    titles, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (titles.append(fig.axes[0].get_title()),
+                                                   close(fig)))
+    plot.plot_runs([str(tmp_path)], str(tmp_path / "plots"))
+    plot.plot_runs([str(tmp_path)], str(tmp_path / "raw"), window=1)
+    assert titles == ["reward (mean over responses)\ntrailing 10-step moving average",
+                      "accuracy (fraction judged right)\ntrailing 10-step moving average",
+                      "reward (mean over responses)\nper-step values",
+                      "accuracy (fraction judged right)\nper-step values"]
+
+
+def test_docs_hold_the_data_columns_and_the_default_runs_figures(tmp_path, char_tokenizer):
+    from transformers import AutoTokenizer
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "shared/" not in readme and "docs/data.md" in readme
+    doc = open(os.path.join(REPO, "docs", "data.md")).read()
+    for column in ("prompt", "solution", "reward_model", "ground_truth", "problem", "answer",
+                   "difficulty"):
+        assert f"`{column}`" in doc, column
+    ds = data.load_prompts(data.DataConfig(path=_jsonl(tmp_path / "d.jsonl", _good_rows()),
+                                           template="plain"),
+                           AutoTokenizer.from_pretrained(char_tokenizer))
+    for key in ds.stats:  # every count the loader reports is explained
+        assert f"`{key}`" in doc, key
+    default = " ".join(open(os.path.join(REPO, "configs", "default.py")).read().split('"""')[1]
+                       .split())
+    cfg = debug_config()
+    assert f"({cfg.arithmetic.warmup_target_accuracy}," in default  # the warm-up it stops at
+    assert "about 0.15 over the first 10" in default and "about 0.9 over the last 50" in default
+    assert "80-100 s" in default and "0.05" not in default and "10 minutes" not in default
 
 
 # ----------------------------------------------------------------- kill anywhere

@@ -2,10 +2,16 @@
 
 Lives here: `KEY_TABLE` (ba_jax parameter path -> HF safetensors key and how the array is laid
 out), `load_hf` (HF folder -> `Qwen`, tensor by tensor, optionally sharded on a mesh),
-`export_hf` (`Qwen` -> folder that transformers loads), `save_checkpoint` / `load_checkpoint`
-(Orbax params + model config JSON), `load_tokenizer`, and the command
+`export_hf` (`Qwen` -> folder that transformers and vLLM load: weights, config, generation
+config, tokenizer), `save_checkpoint` / `load_checkpoint` (Orbax params + model config JSON),
+`load_tokenizer`, `convert` and the command
 
-    python -m ba_jax.models.convert_hf --hf HF_DIR --out CKPT_DIR
+    python -m ba_jax.models.convert_hf --hf HF_DIR --out CKPT_DIR [--overwrite] [--verbose]
+
+which writes into a temporary folder beside CKPT_DIR and renames it into place once complete
+(a failed or killed conversion leaves no half folder at CKPT_DIR), refuses a CKPT_DIR that is
+HF_DIR, lies inside it or already holds files (unless --overwrite), and reports an error as
+one line (`cli.fail`; --verbose: the traceback).
 
 Not here: the model itself (`qwen.py`) or the sharding rules (`sharding.py`).
 
@@ -27,12 +33,14 @@ import math
 import os
 import re
 import shutil
+import tempfile
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ba_jax import sharding as sharding_lib
@@ -60,7 +68,12 @@ KEY_TABLE: tuple[tuple[str, str, str], ...] = (
 # HF keys that carry no parameters of ours (buffers some old checkpoints saved).
 _IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                    "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json")
+_GENERATION_CONFIG = "generation_config.json"
+# model -> the folder it was read from (load_hf, load_checkpoint), where export_hf finds the
+# tokenizer and generation config the weights came with
+_SOURCE_DIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _rule(path: str) -> tuple[str, str]:
@@ -157,20 +170,37 @@ def _hf_files(path: str) -> dict[str, str]:
     """HF key -> safetensors file, from the index when the checkpoint is sharded."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
         raise FileNotFoundError(f"{path}: neither model.safetensors nor its index json found")
-    with safe_open(single, "np") as f:
+    with _safe_open(single) as f:
         return {k: single for k in f.keys()}
+
+
+def _read_json(path: str) -> dict:
+    """A JSON file of an HF folder; a damaged one is a ValueError naming it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
+
+
+def _safe_open(path: str):
+    """safetensors' reader for `path`; a damaged file is a ValueError naming it."""
+    try:
+        return safe_open(path, "np")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
 
 
 def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwen:
     """HF Qwen2/Qwen3 folder -> `Qwen`; each tensor goes straight to its (sharded) place."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = ModelConfig.from_hf_config(json.load(f))
+    config = ModelConfig.from_hf_config(_read_json(os.path.join(path, "config.json")))
     param_dtype = dtype if param_dtype is None else param_dtype
     graphdef, state = _abstract(config, dtype, param_dtype)
     wanted = _flat(state)
@@ -192,7 +222,7 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
                        f"{hf_shape(ours, shape)}); {len(missing)} missing in all")
     values: dict[str, jax.Array] = {}
     with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(f, "np")) for f in set(files.values())}
+        handles = {f: stack.enter_context(_safe_open(f)) for f in set(files.values())}
         for ours, abstract in wanted.items():
             shape = abstract.shape[1:] if is_stacked(ours) else abstract.shape
             layers = []
@@ -205,7 +235,9 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
             array = np.stack(layers) if is_stacked(ours) else layers[0]
             values[ours] = jax.device_put(array, shardings.get(ours))
             del array, layers  # host memory holds one (stacked) parameter at a time
-    return _merge(graphdef, state, values)
+    model = _merge(graphdef, state, values)
+    _SOURCE_DIRS[model] = os.path.abspath(path)
+    return model
 
 
 def hf_config(config: ModelConfig, dtype) -> dict:
@@ -250,13 +282,24 @@ def hf_config(config: ModelConfig, dtype) -> dict:
     return out
 
 
-def export_hf(model: Qwen, out_dir: str, *, max_shard_bytes: int = 4 << 30) -> None:
-    """Writes config.json and safetensors (sharded past `max_shard_bytes`) for transformers."""
+def export_hf(model: Qwen, out_dir: str, *, tokenizer=None,
+              max_shard_bytes: int = 4 << 30) -> list[str]:
+    """Writes config.json, safetensors (sharded past `max_shard_bytes`), generation_config.json
+    and the tokenizer files: a folder transformers and vLLM load as it is.
+
+    `tokenizer`: a transformers tokenizer (a run's: `build.load_tokenizer`, or what
+    `evaluate.load_model` returns) or a folder holding tokenizer files; None: the files of the
+    folder `model` was read from (`load_hf`, or `load_checkpoint` of a convert_hf output, which
+    holds the HF folder's). generation_config.json is the one found there, else one made from
+    the model's and tokenizer's BOS/EOS/pad ids. Prints what it wrote, and in one line when no
+    tokenizer was available; returns the names of the files written.
+    """
     os.makedirs(out_dir, exist_ok=True)
     flat = _flat(nnx.state(model, nnx.Param))
     dtype = next(iter(flat.values())).dtype
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config(model.config, dtype), f, indent=2)
+    written = ["config.json"]
     L = model.config.num_layers
     # (HF key, ba_jax path, layer or None), grouped into files of at most max_shard_bytes
     tensors = [(k, p, i if is_stacked(p) else None)
@@ -281,10 +324,53 @@ def export_hf(model: Qwen, out_dir: str, *, max_shard_bytes: int = 4 << 30) -> N
             out[key] = to_hf(p, np.asarray(jax.device_get(leaf)))
         save_file(out, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update({k: name for k in out})
+    written += names
     if len(shards) > 1:
         total = sum(leaf.size * leaf.dtype.itemsize for leaf in flat.values())
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append("model.safetensors.index.json")
+    written += _export_tokenizer(model, out_dir, tokenizer)
+    print(f"export_hf: wrote {out_dir}: {', '.join(written)}")
+    if not any(n in written for n in ("tokenizer.json", "vocab.json")):
+        print("export_hf: no tokenizer written (none given, and the weights' folder has none): "
+              "pass tokenizer= (a tokenizer or its folder) or copy its files into "
+              f"{out_dir} before loading it with transformers / vLLM")
+    return written
+
+
+def _export_tokenizer(model: Qwen, out_dir: str, tokenizer) -> list[str]:
+    """The tokenizer files and generation_config.json of `export_hf` (see there)."""
+    source = _SOURCE_DIRS.get(model)
+    given_object = tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike))
+    folder = None if given_object else os.fspath(tokenizer) if tokenizer is not None else source
+    written = []
+    if given_object:
+        saved = tokenizer.save_pretrained(out_dir)
+        written += sorted({os.path.basename(f) for f in saved if os.path.isfile(f)})
+    elif folder is not None:
+        if tokenizer is not None and not any(
+                os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "vocab.json")):
+            raise FileNotFoundError(f"export_hf: tokenizer={folder!r} holds no tokenizer.json "
+                                    "or vocab.json")
+        for name in _TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(folder, name)):
+                shutil.copy(os.path.join(folder, name), os.path.join(out_dir, name))
+                written.append(name)
+    found = next((os.path.join(d, _GENERATION_CONFIG) for d in (folder, source)
+                  if d is not None and os.path.isfile(os.path.join(d, _GENERATION_CONFIG))), None)
+    if found is not None:
+        shutil.copy(found, os.path.join(out_dir, _GENERATION_CONFIG))
+    else:  # what transformers derives from a model config, with the tokenizer's ids
+        c = model.config
+        eos = list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id
+        ids = {"bos_token_id": c.bos_token_id,
+               "eos_token_id": eos if eos is not None else getattr(tokenizer, "eos_token_id", None),
+               "pad_token_id": getattr(tokenizer, "pad_token_id", None)}
+        with open(os.path.join(out_dir, _GENERATION_CONFIG), "w") as f:
+            json.dump({**{k: v for k, v in ids.items() if v is not None},
+                       "_from_model_config": True}, f, indent=2)
+    return written + [_GENERATION_CONFIG]
 
 
 def save_checkpoint(model: Qwen, out_dir: str) -> None:
@@ -292,6 +378,9 @@ def save_checkpoint(model: Qwen, out_dir: str) -> None:
     import orbax.checkpoint as ocp
 
     out_dir = os.path.abspath(out_dir)
+    if os.path.exists(os.path.join(out_dir, "params")):  # checked before anything is written
+        raise FileExistsError(f"{out_dir} already holds a checkpoint (params/): write to "
+                              "another folder, or remove it first")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "model_config.json"), "w") as f:
         json.dump(dataclasses.asdict(model.config), f, indent=2)
@@ -334,7 +423,9 @@ def load_checkpoint(ckpt_dir: str, *, dtype=jnp.float32, mesh=None, param_dtype=
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.join(ckpt_dir, "params"), pure)
     nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    _SOURCE_DIRS[model] = ckpt_dir
+    return model
 
 
 def load_tokenizer(path: str):
@@ -348,19 +439,85 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def _check_folders(hf: str, out: str, hf_arg: str, out_arg: str, overwrite: bool) -> None:
+    """Refuse what would damage a folder: --out equal to, inside or holding --hf (paths
+    resolved, symlinks included), and an existing non-empty --out without --overwrite."""
+    if not os.path.isdir(hf):
+        raise FileNotFoundError(f"--hf {hf_arg!r} is not a folder")
+    if not os.path.isfile(os.path.join(hf, "config.json")):
+        raise FileNotFoundError(f"--hf {hf_arg!r} holds no config.json: point it at a Hugging "
+                                "Face model folder (config.json and *.safetensors)")
+    if out == hf or out.startswith(hf + os.sep):
+        where = "is the --hf folder" if out == hf else f"lies inside --hf ({hf})"
+        raise ValueError(f"--out {out_arg!r} {where}: the conversion would be written into the "
+                         "source folder; choose an --out outside it")
+    if hf.startswith(out + os.sep):
+        raise ValueError(f"--out {out_arg!r} holds --hf ({hf}): choose an --out outside it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"--out {out_arg!r} is a file, not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        what = ("a conversion" if os.path.isfile(os.path.join(out, "model_config.json"))
+                else "files")
+        raise FileExistsError(f"--out {out_arg!r} already holds {what}: pass --overwrite to "
+                              "replace it (the old folder is replaced only once the new "
+                              "conversion is complete), or choose another --out")
+
+
+def convert(hf_dir: str, out_dir: str, *, dtype: str = "float32", overwrite: bool = False) -> str:
+    """HF folder -> a convert_hf output (Orbax params, model_config.json, the HF folder's
+    tokenizer files and generation config); the line the command prints.
+
+    Written into a temporary folder beside `out_dir`, renamed to `out_dir` once complete;
+    on an error the temporary folder is removed (a killed conversion leaves it, named
+    `.<out>.convert-*`, and never a half `out_dir`). With `overwrite`, an existing `out_dir`
+    is moved aside only after the new one is complete, then deleted.
+    """
+    hf, out = os.path.realpath(hf_dir), os.path.realpath(out_dir)
+    _check_folders(hf, out, hf_dir, out_dir, overwrite)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.convert-", dir=parent)
+    try:
+        model = load_hf(hf, dtype=jnp.dtype(dtype))
+        save_checkpoint(model, tmp)
+        copied = []
+        for name in _TOKENIZER_FILES + (_GENERATION_CONFIG,):  # a self-contained folder
+            if os.path.isfile(os.path.join(hf, name)):
+                shutil.copy(os.path.join(hf, name), os.path.join(tmp, name))
+                copied.append(name)
+        aside = None
+        if os.path.isdir(out) and os.listdir(out):  # --overwrite: the old one goes only now
+            aside = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rename(out, os.path.join(aside, "old"))
+        os.rename(tmp, out)  # onto an empty folder, or where the old one was
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    tok = ("tokenizer files: " + ", ".join(n for n in copied if n != _GENERATION_CONFIG)
+           if any(n in copied for n in ("tokenizer.json", "vocab.json"))
+           else "no tokenizer in --hf (set config.tokenizer_path when training from it)")
+    return (f"wrote {out_dir} ({model.config.arch}, {model.config.num_layers} layers; {tok}"
+            f"{'; replaced the previous conversion' if aside else ''})")
+
+
 def main(argv=None) -> None:
     """CLI: HF folder -> Orbax checkpoint (+ model config JSON and tokenizer files)."""
+    from ba_jax import cli
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="local Hugging Face model folder")
-    parser.add_argument("--out", required=True, help="output checkpoint folder")
+    parser.add_argument("--out", required=True, help="output checkpoint folder (new or empty)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out (only once the new conversion is complete)")
+    parser.add_argument("--verbose", action="store_true", help=cli.VERBOSE_HELP)
     args = parser.parse_args(argv)
-    model = load_hf(args.hf, dtype=jnp.dtype(args.dtype))
-    save_checkpoint(model, args.out)
-    for name in _TOKENIZER_FILES:  # so that the checkpoint folder is self-contained
-        if os.path.exists(os.path.join(args.hf, name)):
-            shutil.copy(os.path.join(args.hf, name), os.path.join(args.out, name))
-    print(f"wrote {args.out} ({model.config.arch}, {model.config.num_layers} layers)")
+    try:
+        print(convert(args.hf, args.out, dtype=args.dtype, overwrite=args.overwrite))
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        cli.fail("convert_hf", e, verbose=args.verbose)
 
 
 if __name__ == "__main__":
