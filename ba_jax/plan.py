@@ -1,16 +1,19 @@
-"""Per-device memory plan of a run: `python -m ba_jax.plan --config=... [--num_devices=N]`.
+"""Per-device memory of a run, planned and compiled: `python -m ba_jax.plan --config=...
+[--num_devices=N] [--device=NAME] [--compile [--json]]`.
 
 Lives here: `plan(cfg, num_devices)`, which sizes parameters, gradients, optimizer state,
-activations and the sampler's KV cache for one device of the config's mesh, and the
-fit verdict against named accelerators (`DEVICES`). Nothing is allocated: parameter and
-optimizer shapes come from `jax.eval_shape` of the real model and optimizer, and their
-per-device bytes from the sharding rules (`sharding.spec_for` on an abstract mesh, so a
-slice larger than this machine can be planned). Not here: running anything.
+activations and the sampler's KV cache for one device of the config's mesh, and the fit
+verdict against named accelerators (`DEVICES`); `fit_search` (the fewest devices that fit);
+`compiled_memory(cfg, num_devices)`, which AOT-compiles the real jitted train step and
+sampler call from abstract inputs and reads the compiler's per-device bytes. Nothing is
+allocated: shapes come from `jax.eval_shape` of the real model and optimizer, per-device
+bytes from the sharding rules (`sharding.spec_for` on an abstract mesh, so a slice larger
+than this machine can be planned).
 
-Exact: parameters, gradients, gradient accumulator, optimizer state, KV cache (the
-layouts the trainer and sampler use). Estimated (formulas in `activation_bytes` and
-`sampler_bytes`): activations, which depend on what XLA fuses and keeps. Attention here
-is plain einsum (no flash kernel), so its [T, S] scores are materialised per layer.
+Exact: parameters, gradients, gradient accumulator, optimizer state, the batch, the KV
+cache. Estimated: activations, as a sum of terms (bytes per element x element count,
+`COEF_TERMS`, `activation_estimate`) whose coefficients were fitted to XLA's compiled
+figures (`benchmarks/memory.py --calibrate`); docs/scaling.md compares the two.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 GIB = 1024**3
 # HBM per chip / GPU, GiB (TPU: per chip as Cloud TPU documents it; GPU: the SKU's size).
@@ -90,52 +94,110 @@ def _tp(n: int, tensor: int) -> float:
     return n / tensor if n % tensor == 0 else n
 
 
-def activation_bytes(mc, *, rows: int, T: int, itemsize: int, tensor: int,
-                     use_remat: bool) -> dict[str, int]:
-    """Training activations of one micro-batch on one device (estimate).
-
-    Saved per token per layer, in the compute dtype (`itemsize` bytes) unless noted:
-      residual stream and the two norm outputs: 4 D;
-      q, k, v projections and their normed / rotated copies: 2 (N + 2K) H;
-      attention output (o_proj input): N H;  SwiGLU gate, up, silu(gate), product: 4 F;
-      attention scores, materialised: N T (4 + itemsize) (f32 softmax + its cast).
-    Head, MLP and vocab dims are divided by `tensor` where it divides them.
-    Without remat all L layers keep that, plus one layer of backward cotangents.
-    With remat only each layer's input (D) is kept, plus one layer recomputed and its
-    cotangents. Logits: f32 [rows, T, V] and the log-softmax cotangent of the same size.
-    """
-    D, F, H = mc.hidden_size, mc.intermediate_size, mc.head_dim
-    N, K, L, V = mc.num_heads, mc.num_kv_heads, mc.num_layers, mc.vocab_size
-    per_tok = itemsize * (4 * D + 2 * (_tp(N, tensor) + 2 * _tp(K, tensor)) * H
-                          + _tp(N, tensor) * H + 4 * _tp(F, tensor))
-    scores_per_tok = _tp(N, tensor) * T * (4 + itemsize)
-    layer = rows * T * (per_tok + scores_per_tok)
-    logits = 2 * rows * T * _tp(V, tensor) * 4
-    kept = L * rows * T * itemsize * D + 2 * layer if use_remat else (L + 1) * layer
-    return dict(layers=int(kept), attention_scores_per_layer=int(rows * T * scores_per_tok),
-                logits=int(logits), total=int(kept + logits))
+def _per_dev(rows: int, dp: int) -> int:
+    """Rows on one device: split over data x fsdp when they divide, else replicated."""
+    return rows // dp if rows % dp == 0 else rows
 
 
-def sampler_bytes(mc, *, prompts: int, samples: int, prompt_len: int, new_tokens: int,
-                  itemsize: int, dp: int) -> dict[str, int]:
-    """The sampler's KV cache and prefill peak on one device.
+# The activation estimate: bytes = sum over terms of (bytes per element) x (the term's
+# element count on one device, `memory_features`). Terms of the train step (remat full,
+# flash-type attention: chunked, splash or cudnn; b rows per device per micro-batch,
+# T = prompt bucket + R - 1 positions, c = model.logits_chunk):
+#   saved_inputs  L b T D    each layer's input, kept by the layer scan for the backward
+#   layer_embed   b T D      one layer recomputed in the backward: D-wide values (norms,
+#   layer_mlp     b T F/t      residuals, their cotangents), MLP gate/up/product, queries
+#   layer_q       b T N H/t    and attention outputs, keys and values, each with its
+#   layer_kv      b T 2K H/t   cotangent and the kernel's float32 accumulators
+#   head_weight   V D/t      the output projection (or tied embedding) gathered whole,
+#                            and the embedding gradient's scatter-add before it is reduced
+#   head_chunk    b c V/t    one chunk of float32 logits, probabilities and their cotangent
+# of the sampler call (B rows and P prompts per device, R new tokens, Tp prompt bucket):
+#   kv_cache      2 L K H (B R + P Tp)   the decode cache and the shared prompt cache
+#   prefill       P Tp (D + F)           one layer's prefill working set
+#   decode_vocab  B V/t                  one decode step's logits and sampling arrays
+#   head_weight   V D/t
+# Exact and added as they are: parameters, optimizer state, gradients (parameter dtype),
+# the float32 gradient accumulator, the batch. The coefficients are least-squares fits to
+# XLA's compiled temp bytes on 4-layer cuts of Qwen3-1.7B at the paper's row length
+# (`python benchmarks/memory.py --calibrate`), per compute itemsize; they are XLA:CPU's:
+# it widens bf16 intermediates to f32 and fuses less than TPU/GPU, so on accelerators the
+# estimate is an upper bound (only a device's measured peak, benchmarks/gpu_step.py, says
+# by how much). Remat `none` keeps every layer's working set (the layer terms x L); the
+# `dots_*` policies are counted as `none` (an upper bound). `xla` attention adds its
+# materialised [N, T, T] scores (f32 and the compute-dtype copy) per layer kept.
+COEF_TERMS: dict[str, tuple[str, ...]] = {
+    "train": ("saved_inputs", "layer_embed", "layer_mlp", "layer_q", "layer_kv", "head_weight"),
+    "sample": ("kv_cache", "prefill", "head_weight"),
+}
+_LAYER_TERMS = ("layer_embed", "layer_mlp", "layer_q", "layer_kv")
+# Not least-squares fitted: bytes per logit of the head's backward, measured on a cut whose
+# head is unchunked (`--calibrate` prints it: ~8.5 in bf16 and f32; float32 logits, their
+# exponentials and the cotangent, partly fused), and per element of one decode step's
+# vocabulary arrays (logits, probabilities, the top-p sort: too small to identify).
+FIXED_COEF = dict(head_chunk=8.5, decode_vocab=12.0)
+# Fitted by `python benchmarks/memory.py --calibrate` (XLA:CPU, jax 0.10.2), per compute
+# itemsize; bytes per element of each term.
+TRAIN_COEF: dict[int, dict[str, float]] = {
+    2: dict(saved_inputs=4.0, layer_embed=33.6, layer_mlp=14.8, layer_q=20.7, layer_kv=12.2,
+            head_weight=1.8),
+    4: dict(saved_inputs=3.9, layer_embed=33.6, layer_mlp=25.2, layer_q=21.3, layer_kv=12.7,
+            head_weight=4.2),
+}
+SAMPLE_COEF: dict[int, dict[str, float]] = {
+    2: dict(kv_cache=5.9, prefill=1.7, head_weight=2.5),
+    4: dict(kv_cache=3.7, prefill=6.5, head_weight=6.8),
+}
 
-    Cache: per layer k and v of [rows, K, S, H] in the compute dtype, S = prompt bucket +
-    new tokens, rows split over data x fsdp when they divide (else replicated, as the
-    sampler's row constraint). The P-row prompt cache coexists with its G-fold repeat once.
-    Prefill transient: one layer's scores [P, N, Tp, S] in f32 plus their cast.
-    """
-    L, K, H, N = mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.num_heads
-    S = prompt_len + new_tokens
 
-    def per_dev(rows: int) -> int:
-        return rows // dp if rows % dp == 0 else rows
+def memory_features(p: dict, kind: str) -> dict[str, float]:
+    """Element counts on one device of the activation terms (`COEF_TERMS[kind]`) of the
+    plan `p` (`plan(...)`): kind "train" (one micro-batch of the train step) or "sample"
+    (one sampler call)."""
+    mc, s, t = p["model"], p["shapes"], p["mesh"]["tensor"]
+    D, F, H, L = mc.hidden_size, mc.intermediate_size, mc.head_dim, mc.num_layers
+    N, K, V = mc.num_heads, mc.num_kv_heads, mc.vocab_size
+    head_weight = V * D / (t if V % t == 0 else 1)
+    if kind == "train":
+        bT = s["microbatch_rows_per_device"] * s["seq_len"]
+        layers = 1 if s["remat"] == "full" else L  # working sets kept at once
+        return dict(saved_inputs=L * bT * D, layer_embed=layers * bT * D,
+                    layer_mlp=layers * bT * _tp(F, t), layer_q=layers * bT * _tp(N, t) * H,
+                    layer_kv=layers * bT * 2 * _tp(K, t) * H, head_weight=head_weight,
+                    head_chunk=s["microbatch_rows_per_device"] * s["head_chunk"] * _tp(V, t))
+    if kind == "sample":
+        B, P = s["sample_rows_per_device"], s["sample_prompts_per_device"]
+        return dict(kv_cache=2 * L * _tp(K, t) * H * (B * s["new_tokens"] + P * s["prompt_bucket"]),
+                    prefill=P * s["prompt_bucket"] * (D + _tp(F, t)),
+                    decode_vocab=B * _tp(V, t), head_weight=head_weight)
+    raise ValueError(f"kind={kind!r}; valid: train, sample")
 
-    kv = 2 * L * per_dev(prompts * samples) * K * S * H * itemsize
-    kv_prompt = 2 * L * per_dev(prompts) * K * S * H * itemsize
-    prefill = per_dev(prompts) * N * prompt_len * S * (4 + itemsize)
-    decode_logits = 3 * per_dev(prompts * samples) * mc.vocab_size * 4  # logits, probs, sort
-    return dict(kv_cache=int(kv), transient=int(kv_prompt + max(prefill, decode_logits)))
+
+def exact_temp_bytes(p: dict, kind: str) -> int:
+    """The part of a compiled program's temp bytes the plan knows exactly: the train step's
+    gradients and float32 accumulator (the sampler has none)."""
+    b = p["bytes"]
+    return b["grads"] + b["grad_accumulator"] if kind == "train" else 0
+
+
+def activation_estimate(p: dict, kind: str) -> dict[str, int]:
+    """Estimated activation bytes on one device per term and `total`: the train step holds
+    the saved layer inputs, the head weight and the larger of one layer's backward working
+    set and one logits chunk's (the two phases do not overlap); the sampler all its terms."""
+    coef = dict((TRAIN_COEF if kind == "train" else SAMPLE_COEF)[4 if p["itemsize"] >= 4 else 2],
+                **FIXED_COEF)
+    out = {k: int(coef[k] * v) for k, v in memory_features(p, kind).items()}
+    s, mc = p["shapes"], p["model"]
+    total = sum(out.values())
+    if kind == "train":
+        if s["attention"] == "xla":  # [b, N, T, T] scores of each layer kept
+            layers = 1 if s["remat"] == "full" else mc.num_layers
+            out["attention_scores"] = int(layers * s["microbatch_rows_per_device"]
+                                          * _tp(mc.num_heads, p["mesh"]["tensor"])
+                                          * s["seq_len"] ** 2 * (4 + p["itemsize"]))
+        layer = sum(out[k] for k in _LAYER_TERMS) + out.get("attention_scores", 0)
+        total = out["saved_inputs"] + out["head_weight"] + max(layer, out["head_chunk"])
+    out["total"] = total
+    return out
 
 
 def abstract_policy(cfg: Any):
@@ -173,7 +235,7 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
 
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
     dp = axes["data"] * axes["fsdp"]
-    rows = P // cfg.grpo.num_minibatches * G
+    rows = train_rows(cfg)
     mb_rows = max(rows // k, 1)
     warnings = []
     if rows % k or mb_rows % dp:
@@ -183,32 +245,142 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
     R = cfg.rollout.max_new_tokens
     T = Tp + R - 1  # grpo.sequence_inputs drops the last slot of [prompt | response]
-    act = {remat: activation_bytes(mc, rows=mb_rows_dev, T=T, itemsize=itemsize,
-                                   tensor=axes["tensor"], use_remat=remat)
-           for remat in (True, False)}
-    samp = sampler_bytes(mc, prompts=P, samples=G, prompt_len=Tp, new_tokens=R,
-                         itemsize=itemsize, dp=dp)
-    use_remat = cfg.model.remat != "none"
-    resident = params_dev + opt_dev
-    train_peak = resident + params_dev + accum_dev + act[use_remat]["total"]  # + grads
-    sample_peak = resident + samp["kv_cache"] + samp["transient"]
-    peak = max(train_peak, sample_peak)
-    fits = {name: peak <= usable_fraction * gib * GIB for name, gib in DEVICES.items()}
-    return dict(
+    # one sampler call: a sampling shard's prompts, its G samples each
+    Pg = P // max(cfg.rollout.sample_shards, 1)
+    B_dev, P_dev = _per_dev(Pg * G, dp), _per_dev(Pg, dp)
+    remat = "full" if cfg.model.remat != "none" else "none"
+    shapes = dict(microbatch_rows_per_device=mb_rows_dev, seq_len=T, prompt_bucket=Tp,
+                  new_tokens=R, head_chunk=min(cfg.model.logits_chunk or R, R), remat=remat,
+                  attention="xla" if cfg.model.attention == "xla" else "flash",
+                  sample_rows_per_device=B_dev, sample_prompts_per_device=P_dev)
+    L, K, H = mc.num_layers, mc.num_kv_heads, mc.head_dim
+    kv_cache = int(2 * L * _tp(K, axes["tensor"]) * H * (B_dev * R + P_dev * Tp) * itemsize)
+    # the train step's mini-batch on one device: int32 / float32 ids, masks, log-probs
+    batch_dev = _per_dev(rows, dp) * (2 * Tp + 3 * R + 2) * 4
+    p = dict(
         num_devices=num_devices, mesh=axes, model=mc, param_count=param_count,
-        param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype, itemsize=itemsize,
         rows=rows, microbatch_rows_per_device=mb_rows_dev, seq_len=T, prompt_bucket=Tp,
-        use_remat=use_remat, usable_fraction=usable_fraction, warnings=warnings,
-        global_bytes=dict(params=params_total, optimizer=opt_total),
+        use_remat=remat == "full", usable_fraction=usable_fraction, warnings=warnings,
+        shapes=shapes, global_bytes=dict(params=params_total, optimizer=opt_total),
         bytes=dict(params=params_dev, grads=params_dev, grad_accumulator=accum_dev,
-                   optimizer=opt_dev, activations_remat=act[True]["total"],
-                   activations_no_remat=act[False]["total"],
-                   attention_scores_per_layer=act[True]["attention_scores_per_layer"],
-                   logits=act[True]["logits"], kv_cache=samp["kv_cache"],
-                   sampler_transient=samp["transient"], train_peak=train_peak,
-                   sample_peak=sample_peak, peak=peak),
-        fits=fits,
+                   optimizer=opt_dev, batch=batch_dev, kv_cache=kv_cache),
     )
+    act = {m: activation_estimate(dict(p, shapes=dict(shapes, remat=m)), "train")
+           for m in ("full", "none")}
+    samp = activation_estimate(p, "sample")
+    b = p["bytes"]
+    resident = params_dev + opt_dev
+    train_peak = resident + batch_dev + exact_temp_bytes(p, "train") + act[remat]["total"]
+    sample_call = params_dev + samp["total"]  # what the sampler's own program holds
+    sample_peak = resident + samp["total"]  # ... beside the optimizer state on the device
+    peak = max(train_peak, sample_peak)
+    b.update(activations_remat=act["full"]["total"], activations_no_remat=act["none"]["total"],
+             attention_scores_per_layer=act["full"].get("attention_scores", 0),
+             logits=act[remat]["head_chunk"], sampler_transient=samp["total"] - samp["kv_cache"],
+             train_peak=train_peak, sample_call=sample_call, sample_peak=sample_peak, peak=peak)
+    p["terms"] = dict(train=act[remat], sample=samp)
+    p["fits"] = {name: peak <= usable_fraction * gib * GIB for name, gib in DEVICES.items()}
+    return p
+
+
+def _sds(x, sh):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+
+def abstract_train_inputs(cfg: Any, mesh):
+    """(graphdef, tx, abstract state, abstract mini-batch) of the run's train step on `mesh`:
+    `jax.ShapeDtypeStruct`s with the shardings the trainer gives them (parameters by the
+    rules table, AdamW moments like their parameters, counts replicated, batch rows over
+    (data, fsdp)); nothing is allocated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ba_jax import build, sampler, sharding
+
+    graphdef, params = abstract_policy(cfg)
+    params = jax.tree.map(_sds, params, sharding.param_shardings(params, mesh))
+    tx, _ = build.make_optimizer(cfg)
+    rep = NamedSharding(mesh, PartitionSpec())
+    opt = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, opt, params, transform_non_params=lambda _: rep,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    state = dict(params=params, opt_state=jax.tree.map(_sds, opt, opt_sh),
+                 step=jax.ShapeDtypeStruct((), np.int32, sharding=rep))
+    B = train_rows(cfg)
+    Tp, R = sampler.prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
+    row = sharding.batch_sharding(mesh)
+    i32, f32 = np.int32, np.float32
+    shapes = dict(prompt_tokens_BT=((B, Tp), i32), prompt_mask_BT=((B, Tp), i32),
+                  tokens_BR=((B, R), i32), mask_BR=((B, R), f32), old_logp_BR=((B, R), f32),
+                  adv_B=((B,), f32), group_id_B=((B,), i32))
+    if cfg.grpo.kl_kind != "none":
+        shapes["ref_logp_BR"] = ((B, R), f32)
+    batch = {k: jax.ShapeDtypeStruct(s, d, sharding=row) for k, (s, d) in shapes.items()}
+    return graphdef, tx, state, batch
+
+
+def train_rows(cfg: Any) -> int:
+    """Rows of one optimizer step's mini-batch: P / num_minibatches prompts x G samples."""
+    return cfg.rollout.prompts_per_step // cfg.grpo.num_minibatches * cfg.rollout.num_samples
+
+
+def _memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    out = dict(argument_bytes=int(m.argument_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
+               alias_bytes=int(m.alias_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes))
+    # live at once: inputs, outputs not written into donated inputs, and the scratch
+    out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                         + out["temp_bytes"])
+    return out
+
+
+def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) -> dict:
+    """Per-device bytes of the real jitted train step and sampler call of `cfg` on
+    `num_devices` of this process's devices, compiled ahead of time from abstract inputs
+    (nothing allocated), beside the planner's estimate:
+    `{"train": {...}, "sample": {...}}`, each with the integer keys `argument_bytes`,
+    `output_bytes`, `temp_bytes`, `planned_bytes` (a contract), and `alias_bytes` and
+    `peak_bytes` (argument + output - alias + temp: what is live at once). The figures are
+    the compiler's for this process's backend; on CPU run with
+    `XLA_FLAGS=--xla_force_host_platform_device_count=N` (the `--compile` command sets it).
+    `devices`: compile for these instead of the process's default devices."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ba_jax import build, sampler, train
+
+    devices = jax.devices() if devices is None else list(devices)
+    have = len(devices)
+    if have < num_devices:
+        raise ValueError(
+            f"compiled_memory needs {num_devices} devices but this process has {have} "
+            f"({devices[0].platform if devices else 'none'}); on CPU start it with XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={num_devices} (python -m ba_jax.plan "
+            f"--compile sets it)")
+    mesh = build.make_mesh(cfg, devices[:num_devices])
+    p = plan(cfg, num_devices)
+    graphdef, tx, state, batch = abstract_train_inputs(cfg, mesh)
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
+    M = cfg.grpo.num_minibatches
+    step = train.make_train_step(cfg, graphdef, tx, state, mesh, num_groups=P // M)
+    out = dict(train=_memory(step.trace(state, batch).lower().compile()))
+    out["train"]["planned_bytes"] = int(p["bytes"]["train_peak"])
+    # The sampler call as the trainer makes it on one process: the policy's parameters
+    # as they are held, one `generate` per sampling shard of P / sample_shards prompts.
+    Pg = P // cfg.rollout.sample_shards
+    Tp, R = sampler.prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
+    r = cfg.rollout
+    config = sampler.SamplingConfig(float(r.temperature), int(r.top_k), float(r.top_p))
+    run = sampler._jitted(graphdef, Pg, Tp, G, R, config, mesh)
+    rep = NamedSharding(mesh, PartitionSpec())
+    i32 = np.int32
+    args = (state["params"], jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
+            jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
+            jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((1,), i32),
+            jax.ShapeDtypeStruct((), i32))
+    out["sample"] = _memory(run.trace(*args).lower().compile())
+    out["sample"]["planned_bytes"] = int(p["bytes"]["sample_call"])
+    return out
 
 
 FIT_DEVICE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -276,6 +448,18 @@ def format_plan(p: dict, device: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_compiled(out: dict, num_devices: int) -> str:
+    """Human-readable report of `compiled_memory(...)`."""
+    g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    lines = [f"compiled on {num_devices} {jax.default_backend()} devices, per device:"]
+    for name, m in out.items():
+        lines.append(f"  {name:6s} argument {g(m['argument_bytes'])}  output {g(m['output_bytes'])}"
+                     f" (aliased {g(m['alias_bytes'])})  temp {g(m['temp_bytes'])}")
+        lines.append(f"         peak     {g(m['peak_bytes'])}  planned {g(m['planned_bytes'])}"
+                     f"  planned / compiled {m['planned_bytes'] / max(m['peak_bytes'], 1):.2f}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv) -> None:
     del argv
     import sys
@@ -287,7 +471,14 @@ def main(argv) -> None:
     F = flags.FLAGS
     if F.device and F.device not in DEVICES:
         sys.exit(f"ba_jax.plan: --device={F.device!r}; valid: {', '.join(DEVICES)}")
+    if (F.compile or F.json) and not F.num_devices:
+        sys.exit("ba_jax.plan: --compile / --json need --num_devices=N (the devices to compile for)")
     try:
+        if F.compile or F.json:
+            out = compiled_memory(F.config, F.num_devices)
+            print(json.dumps(out) if F.json else format_compiled(out, F.num_devices), end=""
+                  if not F.json else "\n")
+            return
         if F.device and not F.num_devices:  # how many of that device would the run need?
             found = fit_search(F.config, F.device)
             if found["plan"] is None:
@@ -299,18 +490,39 @@ def main(argv) -> None:
             p = found["plan"]
         else:
             p = plan(F.config, F.num_devices or jax.device_count())
-    except run_config.ConfigError as e:
+    except (run_config.ConfigError, ValueError) as e:
         sys.exit(f"ba_jax.plan: {e}")
     print(format_plan(p, F.device or None), end="")
 
 
+def _set_fake_device_count(argv: list[str]) -> None:
+    """`--compile` / `--json` with `--num_devices=N`: give the CPU backend N devices before
+    JAX creates it (XLA reads the flag once), so a laptop compiles for an N-device mesh."""
+    if not any(a in ("--compile", "--json") for a in argv):
+        return
+    n = next((a.split("=", 1)[1] for a in argv if a.startswith("--num_devices=")), None)
+    if n is None and "--num_devices" in argv[:-1]:
+        n = argv[argv.index("--num_devices") + 1]
+    if n and n.isdigit():
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={n}")
+
+
 if __name__ == "__main__":
+    import sys
+
     from absl import app, flags
     from ml_collections import config_flags
 
+    _set_fake_device_count(sys.argv)
     config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
     flags.DEFINE_integer("num_devices", 0, "devices to plan for (0: this machine's, or with "
                          "--device the fewest that fit)")
     flags.DEFINE_string("device", "", f"report only this device: {', '.join(DEVICES)}")
+    flags.DEFINE_bool("compile", False, "AOT-compile the real train step and sampler call on "
+                      "--num_devices devices (fake CPU devices here) and print the compiler's "
+                      "per-device bytes beside the plan's")
+    flags.DEFINE_bool("json", False, "with --compile: one JSON object {train: {...}, sample: "
+                      "{...}} of integer bytes per device")
     flags.mark_flags_as_required(["config"])
     app.run(main)

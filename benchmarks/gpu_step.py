@@ -12,8 +12,10 @@ FLOP/s x GPUs), with
   decode FLOPs/token = 2 P + 4 L N H S    (S cache slots attended per step)
 Remat recomputes the forward, so hardware FLOPs are ~8/6 of the counted ones (not credited).
 Peak bf16 dense TFLOP/s by device kind: `PEAK_TFLOPS` (override with --peak_tflops).
-The plan's estimate of the train step's peak memory (ba_jax.plan) is printed next to
-the measured peak.
+Train memory on device 0 is printed three ways: the measured high-water mark
+(`memory_stats()["peak_bytes_in_use"]`), the compiler's figure for the same step on this
+device (`ba_jax.plan.compiled_memory`, what `plan --compile` prints), and the planner's
+estimate (`ba_jax.plan.plan`, fitted to XLA:CPU compiles).
 
     python benchmarks/gpu_step.py [--steps 3] [--no-remat] [--peak_tflops 989]
         [--attention auto|xla|chunked|cudnn] [--no-seam_check]
@@ -240,7 +242,10 @@ def main(argv=None) -> None:
           f"({flops_tok / 1e9:.2f} GFLOP/token)")
     est = planned["bytes"]["train_peak"] / 2**30
     got = "n/a" if peak_bytes is None else f"{peak_bytes / 2**30:.1f} GiB"
-    print(f"train memory on device 0: measured peak {got}; ba_jax.plan estimate {est:.1f} GiB")
+    compiled = plan.compiled_memory(cfg, len(devices), devices=devices)["train"]["peak_bytes"]
+    print(f"train memory on device 0: measured peak {got} (the process's high-water mark, "
+          f"state included); compiled on this device (plan --compile) {compiled / 2**30:.1f} GiB;"
+          f" ba_jax.plan estimate {est:.1f} GiB (fitted to XLA:CPU)")
 
     sec, gen = bench_sampler(graphdef, state["params"], args, mc.vocab_size,
                              build.make_mesh(cfg, devices))
