@@ -371,7 +371,7 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     Tp, R = sampler.prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
     r = cfg.rollout
     config = sampler.SamplingConfig(float(r.temperature), int(r.top_k), float(r.top_p))
-    run = sampler._jitted(graphdef, Pg, Tp, G, R, config, mesh)
+    run = sampler.rollout_fn(graphdef, Pg, Tp, G, R, config, mesh)
     rep = NamedSharding(mesh, PartitionSpec())
     i32 = np.int32
     args = (state["params"], jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
@@ -393,7 +393,7 @@ def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTIO
     plan)`, all None when nothing fits; the config itself is not changed."""
     from ba_jax import run_config
 
-    rows = cfg.rollout.prompts_per_step // cfg.grpo.num_minibatches * cfg.rollout.num_samples
+    rows = train_rows(cfg)
     for n in FIT_DEVICE_COUNTS:
         try:
             dp = (lambda a: a["data"] * a["fsdp"])(run_config.mesh_axes(cfg, n))

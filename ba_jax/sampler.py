@@ -135,7 +135,8 @@ def _nucleus_threshold(p_BV: jax.Array, top_p: float) -> jax.Array:
 def sample_logits(
     logits_BV: jax.Array, key: jax.Array, config: SamplingConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token per row -> (token_B, logp_B at temperature 1, logp_B under the sampler)."""
+    """One token per row -> (token_B, logp_B at temperature 1, logp_B under the sampler).
+    `key`: one key for all rows, or a [B] array of keys, one per row."""
     logits_BV = logits_BV.astype(jnp.float32)
     B, V = logits_BV.shape
     if config.temperature == 0:
@@ -143,7 +144,10 @@ def sample_logits(
         sampling_logp_B = jnp.zeros(B, jnp.float32)
     else:
         z_BV = logits_BV / config.temperature
-        u_B = jax.random.uniform(key, (B,), jnp.float32)
+        if key.ndim:  # one key per row (the rollout engine's key per sample and position)
+            u_B = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)
+        else:
+            u_B = jax.random.uniform(key, (B,), jnp.float32)
         if config.top_k:
             # Top-k (then top-p) works on the k sorted candidates only.
             z_BK, idx_BK = lax.top_k(z_BV, min(config.top_k, V))
@@ -317,8 +321,10 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int, pad_id: int):
 _JITTED: dict[tuple, Callable] = {}
 
 
-def _jitted(graphdef, P, Tp, G, R, config, mesh) -> Callable:
-    """One jitted rollout per (model structure, bucket, settings), built once and reused."""
+def rollout_fn(graphdef, P, Tp, G, R, config, mesh) -> Callable:
+    """The jitted rollout `generate` calls: run(state, prompt_PT, prompt_mask_PT, key, eos_E,
+    pad_id) -> dict of [P*G, R] arrays; one per (model structure, bucket, settings, mesh),
+    built once and reused (`plan.compiled_memory` compiles it from abstract inputs)."""
     k = (graphdef, P, Tp, G, R, config, mesh)
     if k not in _JITTED:
         def run(state, prompt_PT, prompt_mask_PT, key, eos_E, pad_id):
@@ -365,7 +371,7 @@ def generate(
     Tp = prompt_bucket(max(len(p) for p in prompts))
     prompt_PT, pmask_PT = left_pad(prompts, Tp, pad)
     graphdef, state = nnx.split(model)
-    run = _jitted(graphdef, P, Tp, G, R, config, mesh)
+    run = rollout_fn(graphdef, P, Tp, G, R, config, mesh)
     out = run(state, prompt_PT, pmask_PT, key, np.asarray(eos, np.int32), np.int32(pad))
     out = jax.device_get(out)
     mask_BR = np.asarray(out["mask"], np.int32)

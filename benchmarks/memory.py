@@ -12,7 +12,8 @@ Cases (prompt bucket 2,048 + response, bf16 compute, f32 master weights, remat f
   Qwen3-1.7B, fsdp=8, 2 rows per device per micro-batch, response 8,192 (target <= 16 GiB);
   the same with 1 row; with 4,096 and 16,384 response tokens (the slope in T);
   Qwen2.5-Math-7B, fsdp=16, 1 row per device, response 8,192 (target <= 32 GiB);
-  and the sampler call of each 1.7B case with 8 sampling shards (64 rows per call).
+  both models with tensor=4 added (32 / 64 devices: the fit has no tensor-split cut);
+  and the sampler call of each case with 8 sampling shards (64 rows per call).
 
 `--calibrate` compiles 4-layer cuts of Qwen3-1.7B at the paper's row length with one
 dimension changed at a time and least-squares fits the per-token coefficients that
@@ -31,8 +32,9 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=16")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=64")
 
 import numpy as np  # noqa: E402
 
@@ -115,12 +117,16 @@ def calibrate() -> None:
                 print(f"    {str(v):34s} compiled {a / GIB:7.3f} GiB  fit {b / GIB:7.3f} GiB")
 
 
+# name, model, (fsdp, tensor), micro-batches, response tokens
 CASES = [
-    ("Qwen3-1.7B, fsdp=8, 2 rows/device, R=8192", "qwen3-1.7b", 8, 2, 8192),
-    ("Qwen3-1.7B, fsdp=8, 1 row/device, R=8192", "qwen3-1.7b", 8, 1, 8192),
-    ("Qwen3-1.7B, fsdp=8, 2 rows/device, R=4096", "qwen3-1.7b", 8, 2, 4096),
-    ("Qwen3-1.7B, fsdp=8, 2 rows/device, R=16384", "qwen3-1.7b", 8, 2, 16384),
-    ("Qwen2.5-Math-7B, fsdp=16, 1 row/device, R=8192", "qwen2.5-math-7b", 16, 1, 8192),
+    ("Qwen3-1.7B, fsdp=8, 2 rows/device, R=8192", "qwen3-1.7b", (8, 1), 32, 8192),
+    ("Qwen3-1.7B, fsdp=8, 1 row/device, R=8192", "qwen3-1.7b", (8, 1), 64, 8192),
+    ("Qwen3-1.7B, fsdp=8, 2 rows/device, R=4096", "qwen3-1.7b", (8, 1), 32, 4096),
+    ("Qwen3-1.7B, fsdp=8, 2 rows/device, R=16384", "qwen3-1.7b", (8, 1), 32, 16384),
+    ("Qwen2.5-Math-7B, fsdp=16, 1 row/device, R=8192", "qwen2.5-math-7b", (16, 1), 32, 8192),
+    ("Qwen3-1.7B, fsdp=8 x tensor=4, 2 rows/device, R=8192", "qwen3-1.7b", (8, 4), 32, 8192),
+    ("Qwen2.5-Math-7B, fsdp=16 x tensor=4, 1 row/device, R=8192", "qwen2.5-math-7b", (16, 4), 32,
+     8192),
 ]
 
 
@@ -135,14 +141,16 @@ def main() -> None:
           "compiled peak | planned | planned/compiled | compile s |")
     print("|---|---|---|---|---|---|---|---|")
     slope = {}
-    for name, model, n, rows, R in CASES:
-        cfg = paper_config(model, response=R, rows_per_device=rows, num_devices=n,
-                           sample_shards=8)
+    for name, model, (fsdp, tensor), k, R in CASES:
+        cfg = paper_config(model, response=R, sample_shards=8)
+        cfg.grpo.num_microbatches = k
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, fsdp, tensor
+        n = fsdp * tensor
         t0 = time.perf_counter()
         got = plan.compiled_memory(cfg, n)
         dt = time.perf_counter() - t0
         tr, sa = got["train"], got["sample"]
-        if model == "qwen3-1.7b" and rows == 2:
+        if model == "qwen3-1.7b" and (fsdp, tensor, k) == (8, 1, 32):
             slope[R] = tr["peak_bytes"]
         print(f"| {name} | {tr['peak_bytes'] / GIB:.2f} GiB | {tr['planned_bytes'] / GIB:.2f} GiB | "
               f"{tr['planned_bytes'] / tr['peak_bytes']:.2f} | {sa['peak_bytes'] / GIB:.2f} GiB | "

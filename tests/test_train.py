@@ -219,6 +219,17 @@ def _abstract_batch(cfg, mesh):
                 group_id_B=sds((B,), jnp.int32))
 
 
+def _train_step(cfg, num_devices):
+    """(state, jitted train step, mesh) of `cfg` on the first `num_devices` devices."""
+    mesh = build.make_mesh(cfg, jax.devices()[:num_devices])
+    graphdef, params = build.init_policy(cfg, mesh)
+    tx, _ = build.make_optimizer(cfg)
+    state = train.init_state(params, tx, mesh)
+    step = train.make_train_step(cfg, graphdef, tx, state, mesh,
+                                 num_groups=cfg.rollout.prompts_per_step)
+    return state, step, mesh
+
+
 @pytest.mark.parametrize("impl, platform, devices, forward, backward", [
     ("splash", "tpu", 8, "tpu_custom_call", None),
     ("cudnn", "cuda", 1, "@__cudnn$fmhaSoftmax(", "@__cudnn$fmhaSoftmaxBackward("),
@@ -233,12 +244,7 @@ def test_train_step_lowers_for_accelerators(impl, platform, devices, forward, ba
     test_attention); compiling (Mosaic, cuDNN) only happens on the hardware."""
     cfg = debug_config(**{"model.attention": impl, "model.dtype": "bfloat16",
                           "mesh.data": devices})
-    mesh = build.make_mesh(cfg, jax.devices()[:devices])
-    graphdef, params = build.init_policy(cfg, mesh)
-    tx, _ = build.make_optimizer(cfg)
-    state = train.init_state(params, tx, mesh)
-    step = train.make_train_step(cfg, graphdef, tx, state, mesh,
-                                 num_groups=cfg.rollout.prompts_per_step)
+    state, step, mesh = _train_step(cfg, devices)
     patch = (mock.patch.object(cudnn_fa, "check_cudnn_version", return_value=90800)
              if impl == "cudnn" else contextlib.nullcontext())
     with patch:
@@ -253,12 +259,7 @@ def test_train_step_lowers_for_accelerators(impl, platform, devices, forward, ba
 
 
 def _compiled_step(cfg, num_devices):
-    mesh = build.make_mesh(cfg, jax.devices()[:num_devices])
-    graphdef, params = build.init_policy(cfg, mesh)
-    tx, _ = build.make_optimizer(cfg)
-    state = train.init_state(params, tx, mesh)
-    step = train.make_train_step(cfg, graphdef, tx, state, mesh,
-                                 num_groups=cfg.rollout.prompts_per_step)
+    state, step, mesh = _train_step(cfg, num_devices)
     return step.trace(state, _abstract_batch(cfg, mesh)).lower().compile()
 
 
