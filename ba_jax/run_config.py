@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ba_jax import aggregation, grpo, sharding
+from ba_jax import aggregation, engine, grpo, sharding
 from ba_jax.models import attention, qwen
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -144,6 +144,15 @@ def validate(cfg: Any, num_devices: int) -> None:
             "so every gradient would be zero)")
     for name in ("num_updates", "num_minibatches", "num_microbatches"):
         require(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
+    require(r.num_slots >= 0, f"config.rollout.num_slots={r.num_slots} must be >= 0 "
+            "(0: the static sampler)")
+    require(r.page_size >= 1, f"config.rollout.page_size={r.page_size} must be >= 1")
+    if r.num_slots:
+        one = engine.pages_for(r.max_new_tokens, r.page_size)
+        require(r.kv_pages == 0 or r.kv_pages >= one,
+                f"config.rollout.kv_pages={r.kv_pages} cannot hold one sequence of "
+                f"config.rollout.max_new_tokens={r.max_new_tokens} tokens ({one} pages of "
+                f"config.rollout.page_size={r.page_size})")
     require(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
             f"config.rollout.sample_shards={r.sample_shards} must divide "
             f"config.rollout.prompts_per_step={r.prompts_per_step}")

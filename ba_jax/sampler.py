@@ -360,6 +360,18 @@ def generate(
     `pad_id` (default: the first EOS id, as Hugging Face does) fills prompt padding and
     the slots after a row's EOS. With `mesh`, rows are split over its data/fsdp axes.
     """
+    eos, pad, config, prompt_PT, pmask_PT = prepare_request(
+        prompts, eos_ids, pad_id, temperature, top_k, top_p)
+    P, G, R = len(prompts), int(num_samples), int(max_new_tokens)
+    graphdef, state = nnx.split(model)
+    run = rollout_fn(graphdef, P, prompt_PT.shape[1], G, R, config, mesh)
+    out = run(state, prompt_PT, pmask_PT, key, eos, np.int32(pad))
+    return to_rollout(jax.device_get(out), prompt_PT, pmask_PT, G)
+
+
+def prepare_request(prompts, eos_ids, pad_id, temperature, top_k, top_p):
+    """Checked inputs of a sampling call -> (eos_E int32, pad id, SamplingConfig, left-padded
+    prompt_PT, prompt_mask_PT in their bucket); ValueError naming a bad one."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     eos = tuple(int(e) for e in eos_ids)
@@ -367,13 +379,13 @@ def generate(
         raise ValueError("eos_ids must name at least one token id")
     pad = eos[0] if pad_id is None else int(pad_id)
     config = SamplingConfig(float(temperature), int(top_k), float(top_p))
-    P, G, R = len(prompts), int(num_samples), int(max_new_tokens)
-    Tp = prompt_bucket(max(len(p) for p in prompts))
-    prompt_PT, pmask_PT = left_pad(prompts, Tp, pad)
-    graphdef, state = nnx.split(model)
-    run = rollout_fn(graphdef, P, Tp, G, R, config, mesh)
-    out = run(state, prompt_PT, pmask_PT, key, np.asarray(eos, np.int32), np.int32(pad))
-    out = jax.device_get(out)
+    prompt_PT, pmask_PT = left_pad(prompts, prompt_bucket(max(len(p) for p in prompts)), pad)
+    return np.asarray(eos, np.int32), pad, config, prompt_PT, pmask_PT
+
+
+def to_rollout(out: dict, prompt_PT: np.ndarray, pmask_PT: np.ndarray, G: int) -> Rollout:
+    """The host Rollout of a call's output arrays (tokens, logprobs, sampling_logprobs, mask,
+    done), rows of prompt p at [p*G, (p+1)*G)."""
     mask_BR = np.asarray(out["mask"], np.int32)
     return Rollout(
         tokens=np.asarray(out["tokens"], np.int32),
@@ -381,7 +393,7 @@ def generate(
         sampling_logprobs=np.asarray(out["sampling_logprobs"], np.float32),
         mask=mask_BR,
         lengths=mask_BR.sum(1).astype(np.int32),
-        group_ids=np.repeat(np.arange(P, dtype=np.int32), G),
+        group_ids=np.repeat(np.arange(len(prompt_PT), dtype=np.int32), G),
         finish_reason=np.where(np.asarray(out["done"]), "eos", "length").astype(object),
         prompt_tokens=np.repeat(prompt_PT, G, axis=0),
         prompt_mask=np.repeat(pmask_PT, G, axis=0),

@@ -9,7 +9,15 @@ the two so that drifting machine load hits both alike; medians are reported. Eac
 in its own worker process (benchmarks/_workers.py), so PyTorch's spinning OpenMP threads
 cannot slow XLA's, and only one side computes at a time.
 
-    python benchmarks/sampler.py [--runs 3] [--precisions f32,bf16]
+Heavy-tailed workload (`--workload heavy`, the rollout engine's): the same model and
+prompts, 16 x 8 rows whose budgets are drawn from a seeded lognormal (median 100, sigma 1,
+capped at 512), every row forced to its budget (no EOS). The static sampler must run every
+row to 512 (one budget per call); the engine (`ba_jax.engine`, continuous batching over a
+paged cache, default slots = a quarter of the rows) runs each to its own. Reported: useful
+tokens/s (the budgets' sum / seconds), the share of row-steps that produced a useful token,
+and the KV bytes held at the peak beside what the live tokens need.
+
+    python benchmarks/sampler.py [--runs 3] [--precisions f32,bf16] [--workload fixed|heavy|both]
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from ba_jax import sampler  # noqa: E402
+from ba_jax import engine, sampler  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
 P, G, TP, M = 16, 8, 32, 128
@@ -71,6 +79,54 @@ def ours_setup(model_dir: str, precision: str):
     return run_once, dict(compile_s=first - steady)
 
 
+def heavy_budgets() -> np.ndarray:
+    """Per-row budgets of the heavy-tailed workload: lognormal, median 100, cap 512."""
+    b = np.random.default_rng(0).lognormal(np.log(100.0), 1.0, P * G)
+    return np.clip(np.round(b), 1, HEAVY_CAP).astype(np.int32)
+
+
+HEAVY_CAP = 512
+
+
+def kv_bytes(slots: int, dtype) -> int:
+    """Bytes of `slots` cached tokens (k and v, every layer) of the reference model."""
+    return 2 * 8 * 4 * 64 * slots * np.dtype(dtype).itemsize
+
+
+def heavy_setup(model_dir: str, precision: str, which: str):
+    """Worker: the heavy-tailed workload through the engine or the static sampler."""
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+    model = convert_hf.load_hf(model_dir, dtype=dtype)
+    prompts, budgets, calls, info = _prompts(), heavy_budgets(), [0], {}
+    useful = int(budgets.sum())
+
+    def run_once() -> float:
+        calls[0] += 1
+        kw = dict(num_samples=G, key=jax.random.key(calls[0]), temperature=1.0, eos_ids=[V])
+        t0 = time.perf_counter()
+        if which == "engine":
+            ro, st = engine.generate(model, prompts, max_new_tokens=budgets, return_stats=True,
+                                     **kw)
+            dt = time.perf_counter() - t0
+            assert (ro.lengths == budgets).all(), "a row missed its budget"
+            info.update(useful_fraction=st.useful_fraction, slots=st.num_slots,
+                        kv_held=kv_bytes(P * TP + st.peak_pages * st.page_size, dtype),
+                        kv_live=kv_bytes(P * TP + st.live_at_peak, dtype))
+        else:
+            ro = sampler.generate(model, prompts, max_new_tokens=HEAVY_CAP, **kw)
+            dt = time.perf_counter() - t0
+            assert ro.mask.all(), "a row stopped early"
+            info.update(useful_fraction=useful / (P * G * HEAVY_CAP),
+                        kv_held=kv_bytes(P * TP + P * G * HEAVY_CAP, dtype),
+                        kv_live=kv_bytes(P * TP + P * G * HEAVY_CAP, dtype))
+        return dt
+
+    first = run_once()
+    steady = run_once()
+    info.update(compile_s=first - steady, useful_tokens=useful)
+    return run_once, info
+
+
 def peer_setup(model_dir: str, precision: str, threads: int):
     """Worker: transformers `generate` with its KV cache (bf16: under torch.autocast)."""
     torch.set_num_threads(threads)
@@ -98,7 +154,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--precisions", default="f32,bf16")
     ap.add_argument("--peer-threads", type=int, default=2)
-    ap.add_argument("--worker", choices=["ours", "peer"], help=argparse.SUPPRESS)
+    ap.add_argument("--workload", choices=["fixed", "heavy", "both"], default="both")
+    ap.add_argument("--heavy-runs", type=int, default=1,
+                    help="timed calls per side on the heavy workload (the static one is slow)")
+    ap.add_argument("--worker", choices=["ours", "peer", "engine", "static"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--precision", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -107,6 +167,12 @@ def main() -> None:
     if args.worker == "peer":
         return _workers.serve(lambda: peer_setup(args.model_dir, args.precision,
                                                  args.peer_threads))
+    if args.worker in ("engine", "static"):
+        return _workers.serve(lambda: heavy_setup(args.model_dir, args.precision, args.worker))
+    if args.workload in ("heavy", "both"):
+        heavy(args)
+    if args.workload == "heavy":
+        return
     tokens = P * G * M
     print(f"jax {jax.__version__}, torch {torch.__version__} ({args.peer_threads} threads), "
           f"{tokens} generated tokens per call; each side in its own process, alternating; "
@@ -133,6 +199,36 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for prec, a, b, r, c in rows:
         print(f"| {prec} | {a:,.0f} | {b:,.0f} | {r:.2f}x | {c:.1f} s |")
+
+
+def heavy(args) -> None:
+    b = heavy_budgets()
+    print(f"heavy-tailed workload: {P} x {G} rows, budgets median {int(np.median(b))}, mean "
+          f"{b.mean():.0f}, max {b.max()}, {int(b.sum())} useful tokens; engine vs static "
+          f"sampler, each in its own process, alternating; load average {os.getloadavg()}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        reference_model(tmp)
+        for prec in args.precisions.split(","):
+            common = ["--precision", prec, "--model-dir", tmp]
+            t_eng, t_sta, eng, sta = _workers.alternate(
+                [__file__, "--worker", "engine", *common],
+                [__file__, "--worker", "static", *common], args.heavy_runs)
+            e_s, s_s = statistics.median(t_eng), statistics.median(t_sta)
+            u = eng["useful_tokens"]
+            rows.append((prec, u / e_s, u / s_s, s_s / e_s, eng, sta))
+            print(f"{prec}: engine {u / e_s:,.0f} useful tokens/s ({eng['slots']} slots), static "
+                  f"{u / s_s:,.0f}, ratio {s_s / e_s:.2f}x; runs engine "
+                  f"{[round(t, 1) for t in t_eng]} static {[round(t, 1) for t in t_sta]}; load "
+                  f"average {os.getloadavg()}", flush=True)
+    print("\n| precision | engine useful tokens/s | static useful tokens/s | ratio | useful "
+          "row-steps engine / static | KV held at peak engine / static | engine held / live |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for prec, a, b_, r, eng, sta in rows:
+        print(f"| {prec} | {a:,.0f} | {b_:,.0f} | {r:.2f}x | {eng['useful_fraction']:.1%} / "
+              f"{sta['useful_fraction']:.1%} | {eng['kv_held'] / 2**20:.1f} / "
+              f"{sta['kv_held'] / 2**20:.1f} MiB | {eng['kv_held'] / eng['kv_live']:.2f} |")
+    print()
 
 
 if __name__ == "__main__":

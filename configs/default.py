@@ -86,7 +86,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              top_p=1.0,
              # Independent sampler calls per step (own key each); a multiple of the number
              # of processes, each of which samples its own shards.
-             sample_shards=1)
+             sample_shards=1,
+             # Decode slots of the rollout engine (ba_jax.engine: continuous batching over a
+             # paged KV cache); 0 keeps the static sampler (every row in the loop until the
+             # last one ends). page_size: tokens per KV page; kv_pages: pages in the pool per
+             # sampler call (0: every slot's full budget at once).
+             num_slots=0, page_size=16, kv_pages=0)
     )
     c.grpo = ml_collections.ConfigDict(
         dict(

@@ -534,3 +534,34 @@ class Qwen(nnx.Module):
         x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(
             body, self._embed(tokens_B[:, None]), (cache.k_LBSKH, cache.v_LBSKH, pk, pv))
         return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
+
+    def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array,
+                          pool: KVCache, page_table_BW: jax.Array, prompt: KVCache,
+                          prompt_row_B: jax.Array, valid_BS: jax.Array):
+        """One new token per decode slot over a paged cache -> (logits_BV float32, k_LBKH,
+        v_LBKH), the new keys/values for the caller to write into the pool.
+
+        `pool` holds pages [L, num_pages, page_size, K, H]; row b reads its prompt's dense
+        cache row `prompt.*[:, prompt_row_B[b]]` ([Tp] slots, shared by every row of that
+        prompt) followed by its own pages `page_table_BW[b]` (W pages), i.e. S = Tp + W *
+        page_size slots, of which `valid_BS` are attended, plus the token itself.
+        """
+        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
+                                        self.config.rope_theta)
+        B, W = page_table_BW.shape
+        valid_BS = valid_BS.astype(bool)
+
+        def rows(pages_nPKH, prompt_PTKH):
+            own = pages_nPKH[page_table_BW]  # [B, W, page, K, H]
+            own = own.reshape(B, W * own.shape[2], *own.shape[3:])
+            return jnp.concatenate([prompt_PTKH[prompt_row_B].astype(own.dtype), own], axis=1)
+
+        def body(layer, x_B1D, xs_l):
+            kp, vp, pk, pv = xs_l
+            return layer.decode(x_B1D, sin_B1H, cos_B1H, rows(kp, pk), rows(vp, pv), valid_BS,
+                                None)
+
+        x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(
+            body, self._embed(tokens_B[:, None]),
+            (pool.k_LBSKH, pool.v_LBSKH, prompt.k_LBSKH, prompt.v_LBSKH))
+        return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
