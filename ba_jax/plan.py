@@ -187,8 +187,9 @@ def activation_estimate(p: dict, kind: str) -> dict[str, int]:
                 **FIXED_COEF)
     out = {k: int(coef[k] * v) for k, v in memory_features(p, kind).items()}
     s, mc = p["shapes"], p["model"]
-    total = sum(out.values())
-    if kind == "train":
+    if kind == "sample":
+        total = sum(out.values())
+    else:
         if s["attention"] == "xla":  # [b, N, T, T] scores of each layer kept
             layers = 1 if s["remat"] == "full" else mc.num_layers
             out["attention_scores"] = int(layers * s["microbatch_rows_per_device"]
@@ -448,10 +449,10 @@ def format_plan(p: dict, device: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_compiled(out: dict, num_devices: int) -> str:
-    """Human-readable report of `compiled_memory(...)`."""
+def format_compiled(out: dict, num_devices: int, platform: str) -> str:
+    """Human-readable report of `compiled_memory(...)` compiled on `platform` devices."""
     g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
-    lines = [f"compiled on {num_devices} {jax.default_backend()} devices, per device:"]
+    lines = [f"compiled on {num_devices} {platform} devices, per device:"]
     for name, m in out.items():
         lines.append(f"  {name:6s} argument {g(m['argument_bytes'])}  output {g(m['output_bytes'])}"
                      f" (aliased {g(m['alias_bytes'])})  temp {g(m['temp_bytes'])}")
@@ -476,8 +477,10 @@ def main(argv) -> None:
     try:
         if F.compile or F.json:
             out = compiled_memory(F.config, F.num_devices)
-            print(json.dumps(out) if F.json else format_compiled(out, F.num_devices), end=""
-                  if not F.json else "\n")
+            if F.json:
+                print(json.dumps(out))
+            else:
+                print(format_compiled(out, F.num_devices, jax.devices()[0].platform), end="")
             return
         if F.device and not F.num_devices:  # how many of that device would the run need?
             found = fit_search(F.config, F.device)

@@ -520,19 +520,27 @@ class Qwen(nnx.Module):
         B // P contiguous rows of each prompt. The new keys/values are returned for the caller
         to write (`KVCache.write`); the cache is not changed here.
         """
-        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
-                                        self.config.rope_theta)
         pk, pv, pvalid_PT = ((None, None, None) if prefix is None else
                              (prefix[0].k_LBSKH, prefix[0].v_LBSKH, prefix[1].astype(bool)))
 
-        def body(layer, x_B1D, xs_l):
+        def keys(xs_l):
             k_BSKH, v_BSKH, pk_PTKH, pv_PTKH = xs_l
             pre = None if pk_PTKH is None else (pk_PTKH, pv_PTKH, pvalid_PT)
-            return layer.decode(x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS.astype(bool),
-                                pre)
+            return k_BSKH, v_BSKH, valid_BS.astype(bool), pre
 
-        x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(
-            body, self._embed(tokens_B[:, None]), (cache.k_LBSKH, cache.v_LBSKH, pk, pv))
+        return self._decode_scan(tokens_B, positions_B, keys,
+                                 (cache.k_LBSKH, cache.v_LBSKH, pk, pv))
+
+    def _decode_scan(self, tokens_B, positions_B, keys, xs):
+        """The layer scan of one decode step: `keys(xs_l)` -> (k_BSKH, v_BSKH, valid_BS,
+        prefix) the layer attends to -> (logits_BV float32, k_LBKH, v_LBKH)."""
+        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
+                                        self.config.rope_theta)
+
+        def body(layer, x_B1D, xs_l):
+            return layer.decode(x_B1D, sin_B1H, cos_B1H, *keys(xs_l))
+
+        x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(body, self._embed(tokens_B[:, None]), xs)
         return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
 
     def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array,
@@ -546,8 +554,6 @@ class Qwen(nnx.Module):
         prompt) followed by its own pages `page_table_BW[b]` (W pages), i.e. S = Tp + W *
         page_size slots, of which `valid_BS` are attended, plus the token itself.
         """
-        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
-                                        self.config.rope_theta)
         B, W = page_table_BW.shape
         valid_BS = valid_BS.astype(bool)
 
@@ -556,12 +562,9 @@ class Qwen(nnx.Module):
             own = own.reshape(B, W * own.shape[2], *own.shape[3:])
             return jnp.concatenate([prompt_PTKH[prompt_row_B].astype(own.dtype), own], axis=1)
 
-        def body(layer, x_B1D, xs_l):
+        def keys(xs_l):
             kp, vp, pk, pv = xs_l
-            return layer.decode(x_B1D, sin_B1H, cos_B1H, rows(kp, pk), rows(vp, pv), valid_BS,
-                                None)
+            return rows(kp, pk), rows(vp, pv), valid_BS, None
 
-        x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(
-            body, self._embed(tokens_B[:, None]),
-            (pool.k_LBSKH, pool.v_LBSKH, prompt.k_LBSKH, prompt.v_LBSKH))
-        return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
+        return self._decode_scan(tokens_B, positions_B, keys,
+                                 (pool.k_LBSKH, pool.v_LBSKH, prompt.k_LBSKH, prompt.v_LBSKH))
