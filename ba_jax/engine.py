@@ -29,8 +29,10 @@ masked to the ones it holds (a gather-based pure-JAX paged attention; fixed shap
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
+import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
-from ba_jax import sampler
+from ba_jax import grpo, sampler, sharding
 from ba_jax.models import qwen
 
 
@@ -51,7 +53,7 @@ class EngineState:
 
     step: jax.Array  # int32 []: loop iterations so far
     next_i: jax.Array  # int32 []: position in the admission order of the next pending sample
-    sid_S: jax.Array  # int32 [S]: sample held by the slot, -1 when free
+    sid_S: jax.Array  # int32 [S]: row (of this engine's B) held by the slot, -1 when free
     t_S: jax.Array  # int32 [S]: index of the token the slot samples next
     tok_S: jax.Array  # int32 [S]: the slot's last sampled token (decoded next)
     pages_SW: jax.Array  # int32 [S, W]: the slot's pages in order; NP where none
@@ -79,13 +81,16 @@ def _sample_keys(key, sid, t):
     return jax.vmap(lambda s, u: jax.random.fold_in(jax.random.fold_in(key, s), u))(sid, t)
 
 
-def engine_arrays(model, prompt_PT, prompt_mask_PT, budget_B, key, *, num_samples: int,
+def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, *,
                   max_new_tokens: int, num_slots: int, page_size: int, num_pages: int,
                   config: sampler.SamplingConfig, eos_E, pad_id) -> dict[str, jax.Array]:
-    """Traceable body of `generate` on left-padded prompts -> dict of [P*G, R] arrays and
-    the loop's counters (`steps`, `busy_slot_steps`, `peak_pages`)."""
-    (P, Tp), G, R = prompt_PT.shape, num_samples, max_new_tokens
-    B, S, ps, NP = P * G, num_slots, page_size, num_pages
+    """Traceable body of one engine (one device's share under a mesh) -> dict of [B, R] arrays
+    and the loop's counters (`steps`, `busy_slot_steps`, `peak_pages`, ...).
+
+    Row b samples from prompt `row_prompt_B[b]` of the P left-padded prompts, with the keys
+    of sample id `sid_B[b]` (its row in the whole call) and at most `budget_B[b]` tokens."""
+    (P, Tp), R = prompt_PT.shape, max_new_tokens
+    B, S, ps, NP = row_prompt_B.shape[0], num_slots, page_size, num_pages
     W = max(pages_for(R, ps), 1)
     mc = model.config
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
@@ -93,10 +98,8 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, budget_B, key, *, num_sample
     logits_P1V, prompt = model(prompt_PT, positions_PT, pmask_PT,
                                logits_slice=slice(Tp - 1, None), return_kv=True)
     len_P = jnp.sum(pmask_PT, 1)
-    sid_B = jnp.arange(B, dtype=jnp.int32)
     tok0, logp0, slogp0 = sampler.sample_logits(
-        jnp.repeat(logits_P1V[:, 0], G, axis=0), _sample_keys(key, sid_B, jnp.zeros_like(sid_B)),
-        config)
+        logits_P1V[row_prompt_B, 0], _sample_keys(key, sid_B, jnp.zeros_like(sid_B)), config)
     eos0 = jnp.any(tok0[:, None] == eos_E[None, :], -1)
     first = lambda x: jnp.zeros((B, R), x.dtype).at[:, 0].set(x)  # noqa: E731
     # admission order: samples that go on, longest budget first (stable), then the finished
@@ -147,7 +150,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, budget_B, key, *, num_sample
         top, promised = st.top - n_pop, promised - n_pop
         owed_S = owed_S - want_S.astype(jnp.int32)
         # 3. decode the slots' last tokens and sample the next ones
-        p_S = jnp.where(live_S, sid_S // G, 0)
+        p_S = jnp.where(live_S, row_prompt_B[jnp.maximum(sid_S, 0)], 0)
         dec_valid_SX = live_S[:, None] & (jnp.arange(W * ps)[None] < d_S[:, None])
         valid_SX = jnp.concatenate([pmask_PT[p_S].astype(bool) & live_S[:, None], dec_valid_SX], 1)
         logits_SV, k_LSKH, v_LSKH = model.decode_step_paged(
@@ -160,7 +163,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, budget_B, key, *, num_sample
             new.astype(buf.dtype), mode="drop")
         pool = qwen.KVCache(put(st.pool.k_LBSKH, k_LSKH), put(st.pool.v_LBSKH, v_LSKH))
         token_S, logp_S, slogp_S = sampler.sample_logits(
-            logits_SV, _sample_keys(key, jnp.maximum(sid_S, 0), t_S), config)
+            logits_SV, _sample_keys(key, sid_B[jnp.maximum(sid_S, 0)], t_S), config)
         row_S = jnp.where(live_S, sid_S, B)  # B: dropped
         at = lambda buf, v: buf.at[row_S, t_S].set(v.astype(buf.dtype), mode="drop")  # noqa: E731
         eos_S = jnp.any(token_S[:, None] == eos_E[None, :], -1)
@@ -194,24 +197,89 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, budget_B, key, *, num_sample
 
 
 _JITTED: dict[tuple, Any] = {}
+TRACE_COUNTS: Counter = Counter()  # traces per compile key; a test checks calls do not retrace
 
 
-def engine_fn(graphdef, P, Tp, G, R, S, ps, NP, config, mesh):
-    """The jitted engine call: run(state, prompt_PT, prompt_mask_PT, budget_B, key, eos_E,
-    pad_id) -> `engine_arrays`' dict; one per (model structure, shapes, settings, mesh)."""
-    k = (graphdef, P, Tp, G, R, S, ps, NP, config, mesh)
+def engine_fn(graphdef, P, Tp, B, R, S, ps, NP, config, mesh):
+    """The jitted engine call: run(state, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B,
+    budget_B, key, eos_E, pad_id) -> `engine_arrays`' dict, counters as [D] arrays (one per
+    row device); one per (model structure, shapes, settings, mesh).
+
+    With a mesh, every argument but the state, key, EOS ids and pad id is split over the
+    mesh's row axes (`sharding.row_axes`): each of the D row devices runs its own engine on
+    its P / D prompt block and B / D rows (its own slots S, pages NP, while loop), under a
+    `shard_map` manual over those axes only: no collective inside the loop, and `tensor`
+    (if the mesh has one) still splits heads and the MLP by XLA's partitioner. Weights are
+    taken as given: hand over a decode copy (`decode_copy`) so none is gathered per call."""
+    k = (graphdef, P, Tp, B, R, S, ps, NP, config, mesh)
     if k not in _JITTED:
-        def run(state, prompt_PT, prompt_mask_PT, budget_B, key, eos_E, pad_id):
-            model = nnx.merge(graphdef, state)
-            with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
-                  else contextlib.nullcontext()):
-                return engine_arrays(model, prompt_PT, prompt_mask_PT, budget_B, key,
-                                     num_samples=G, max_new_tokens=R, num_slots=S,
-                                     page_size=ps, num_pages=NP, config=config, eos_E=eos_E,
-                                     pad_id=pad_id)
+        def local(state, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, eos_E,
+                  pad_id):
+            TRACE_COUNTS[k[1:-1]] += 1  # runs at trace time only
+            out = engine_arrays(nnx.merge(graphdef, state), prompt_PT, prompt_mask_PT,
+                                row_prompt_B, sid_B, budget_B, key, max_new_tokens=R,
+                                num_slots=S, page_size=ps, num_pages=NP, config=config,
+                                eos_E=eos_E, pad_id=pad_id)
+            return {n: v if v.ndim else v[None] for n, v in out.items()}
 
+        axes = () if mesh is None else sharding.row_axes(mesh)
+        if not axes or math.prod(mesh.shape[a] for a in axes) == 1:
+            run = local
+            if mesh is not None:  # the mesh in context: the kernel seam and the constraints
+                def run(*args):
+                    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                        return local(*args)
+        else:
+            rows, rep = PartitionSpec(axes), PartitionSpec()
+            run = jax.shard_map(local, mesh=mesh, in_specs=(rep,) + (rows,) * 5 + (rep,) * 3,
+                                out_specs=rows, axis_names=set(axes), check_vma=False)
         _JITTED[k] = jax.jit(run)
     return _JITTED[k]
+
+
+def decode_copy(params: Any, mesh: Mesh | None, dtype) -> Any:
+    """The weights the engine decodes with, handed over once per call or RL step: matrices in
+    the compute `dtype` (`grpo.compute_copy`), laid out for decoding on `mesh`
+    (`sharding.decode_shardings`: whole on every row device, split over `tensor`). The cast
+    runs on each device's shard before the gather, so a bf16 run moves bf16 bytes; the copy
+    is a fresh buffer (the trainer's state is donated to its update). Without a mesh: the
+    compute-dtype copy where the parameters are."""
+    fn = functools.partial(grpo.compute_copy, dtype=dtype)
+    if mesh is None:
+        return jax.jit(fn)(params)
+    return jax.jit(fn, out_shardings=sharding.decode_shardings(params, mesh))(params)
+
+
+def row_devices(mesh: Mesh | None) -> int:
+    """How many row devices a call on `mesh` splits its rows over (1 without a mesh)."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in sharding.row_axes(mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Where the B = P*G rows of a call go on D row devices: device d holds rows
+    [d*b, (d+1)*b) of the call padded to D*b (padding rows: budget 1, dropped), and the
+    block of Pd prompts they sample from (a prompt whose rows straddle two devices is
+    prefilled on both)."""
+
+    prompt_index: np.ndarray  # int32 [D*Pd]: the call's prompt each device's slot p holds
+    row_prompt: np.ndarray  # int32 [D*b]: the row's prompt within its device's block
+    rows: int  # B, the call's real rows
+    rows_per_device: int  # b
+    prompts_per_device: int  # Pd
+
+
+def row_layout(num_prompts: int, num_samples: int, num_devices: int) -> RowLayout:
+    """The `RowLayout` of P prompts x G samples on D row devices."""
+    P, G, D = num_prompts, num_samples, num_devices
+    b = -(-(P * G) // D)
+    prompt_of = np.minimum(np.arange(D * b) // G, P - 1)
+    first, last = prompt_of[::b], prompt_of[b - 1::b]
+    Pd = int((last - first).max()) + 1
+    index = np.minimum(first[:, None] + np.arange(Pd), last[:, None])
+    return RowLayout(prompt_index=index.reshape(-1).astype(np.int32),
+                     row_prompt=(prompt_of - np.repeat(first, b)).astype(np.int32),
+                     rows=P * G, rows_per_device=b, prompts_per_device=Pd)
 
 
 def default_slots(rows: int) -> int:
@@ -238,20 +306,74 @@ def row_budgets(max_new_tokens, num_prompts: int, num_samples: int) -> np.ndarra
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-    """Counters of one engine call: loop steps, slot-steps that produced a token, pages."""
+    """Counters of one engine call, summed over its row devices (`steps`: the longest
+    device's loop); slots and pages are the call's totals (D times one device's)."""
 
     steps: int
     num_slots: int
-    busy_slot_steps: int
-    peak_pages: int
-    live_at_peak: int  # decoded tokens held in those pages at that step
+    busy_slot_steps: int  # slot-steps that produced a token
+    slot_steps: int  # slot-steps run: each device's loop steps x its slots
+    peak_pages: int  # the devices' peaks of pages held at once, summed
+    live_at_peak: int  # decoded tokens held in those pages at those steps
     num_pages: int
     page_size: int
+    num_devices: int = 1
 
     @property
     def useful_fraction(self) -> float:
         """Share of the slot-steps run that produced a token."""
-        return self.busy_slot_steps / max(self.steps * self.num_slots, 1)
+        return self.busy_slot_steps / max(self.slot_steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallShape:
+    """The static shape of one engine call (its compile key, less the model and mesh)."""
+
+    prompts_per_device: int
+    prompt_len: int  # Tp, the prompts' bucket
+    rows_per_device: int
+    max_new_tokens: int  # R, the largest budget: the Rollout's width
+    slots_per_device: int
+    page_size: int
+    pages_per_device: int
+
+
+def call_shape(num_prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int, *,
+               num_slots: int = 0, page_size: int = 16, num_pages: int = 0,
+               num_devices: int = 1) -> CallShape:
+    """The shape of a call of P prompts x G samples on D row devices: each device gets
+    ceil(num_slots / D) slots (0: a quarter of its rows) and ceil(num_pages / D) pages (0:
+    every slot's largest budget at once). ValueError before anything runs for settings
+    that cannot run: slots or page size < 1, a device pool too small for one sequence of
+    the largest budget."""
+    S, ps = int(num_slots), int(page_size)
+    if S < 0 or ps < 1:
+        raise ValueError(f"num_slots={num_slots} must be >= 0 and page_size={page_size} >= 1")
+    lay = row_layout(num_prompts, num_samples, num_devices)
+    D, R = num_devices, int(max_new_tokens)
+    Sd = -(-S // D) if S else default_slots(lay.rows_per_device)
+    largest = pages_for(R, ps)
+    NPd = -(-int(num_pages) // D) if num_pages else max(Sd * largest, 1)
+    if NPd < largest:
+        raise ValueError(f"num_pages={num_pages} of {ps} tokens over {D} row device(s) gives "
+                         f"each {NPd}: cannot hold one sequence of the largest budget {R} "
+                         f"({largest} pages)")
+    return CallShape(lay.prompts_per_device, prompt_len, lay.rows_per_device, R, Sd, ps, NPd)
+
+
+def _stats(out: dict, cs: CallShape, D: int) -> EngineStats:
+    NP = cs.pages_per_device * D
+    free = int(np.sum(out["pages_free_at_end"]))
+    if free != NP:
+        raise AssertionError(f"page accounting leaked: {NP - free} of {NP} pages still held "
+                             "after the drain")
+    steps = np.asarray(out["steps"])
+    return EngineStats(steps=int(steps.max()), num_slots=cs.slots_per_device * D,
+                       busy_slot_steps=int(np.sum(out["busy_slot_steps"])),
+                       slot_steps=int(steps.sum()) * cs.slots_per_device,
+                       peak_pages=int(np.sum(out["peak_pages"])),
+                       live_at_peak=int(np.sum(out["live_at_peak"])), num_pages=NP,
+                       page_size=cs.page_size, num_devices=D)
 
 
 def generate(
@@ -274,34 +396,27 @@ def generate(
 ):
     """`sampler.generate`'s contract through the engine -> `sampler.Rollout` (and
     `EngineStats` with `return_stats`). `max_new_tokens`: an int, one budget per prompt or
-    one per row; the Rollout's arrays are as wide as the largest. `num_slots` (0: a quarter
-    of the rows) decode at once; the pool holds `num_pages` pages of `page_size` tokens (0:
-    enough for every slot's largest budget at once). A pool too small for the largest
-    single budget is a ValueError before anything runs."""
+    one per row; the Rollout's arrays are as wide as the largest. With `mesh`, rows are split
+    over its (data, fsdp) axes, each device running its own engine (`engine_fn`);
+    `num_slots` and `num_pages` are the call's, split evenly (`call_shape`). Bad settings are
+    a ValueError before anything runs."""
     eos, pad, config, prompt_PT, pmask_PT = sampler.prepare_request(
         prompts, eos_ids, pad_id, temperature, top_k, top_p)
     P, G = len(prompts), int(num_samples)
     budget_B = row_budgets(max_new_tokens, P, G)
-    R = int(budget_B.max())
-    S = int(num_slots) or default_slots(P * G)
-    ps = int(page_size)
-    if S < 1 or ps < 1:
-        raise ValueError(f"num_slots={num_slots} and page_size={page_size} must be >= 1")
-    largest = pages_for(R, ps)
-    NP = int(num_pages) or max(S * largest, 1)
-    if NP < largest:
-        raise ValueError(f"num_pages={NP} of {ps} tokens cannot hold one sequence of the "
-                         f"largest budget {R} ({largest} pages)")
+    D = row_devices(mesh)
+    cs = call_shape(P, prompt_PT.shape[1], G, int(budget_B.max()), num_slots=num_slots,
+                    page_size=page_size, num_pages=num_pages, num_devices=D)
+    lay = row_layout(P, G, D)
+    Bp = D * lay.rows_per_device
+    budget_Bp = np.concatenate([budget_B, np.ones(Bp - len(budget_B), np.int32)])
     graphdef, state = nnx.split(model)
-    run = engine_fn(graphdef, P, prompt_PT.shape[1], G, R, S, ps, NP, config, mesh)
-    out = jax.device_get(run(state, prompt_PT, pmask_PT, budget_B, key, eos, np.int32(pad)))
-    ro = sampler.to_rollout(out, prompt_PT, pmask_PT, G)
-    if not return_stats:
-        return ro
-    if int(out["pages_free_at_end"]) != NP:
-        raise AssertionError(f"page accounting leaked: {NP - int(out['pages_free_at_end'])} of "
-                             f"{NP} pages still held after the drain")
-    return ro, EngineStats(steps=int(out["steps"]), num_slots=S,
-                           busy_slot_steps=int(out["busy_slot_steps"]),
-                           peak_pages=int(out["peak_pages"]),
-                           live_at_peak=int(out["live_at_peak"]), num_pages=NP, page_size=ps)
+    run = engine_fn(graphdef, cs.prompts_per_device, cs.prompt_len, cs.rows_per_device,
+                    cs.max_new_tokens, cs.slots_per_device, cs.page_size, cs.pages_per_device,
+                    config, mesh)
+    out = jax.device_get(run(state, prompt_PT[lay.prompt_index], pmask_PT[lay.prompt_index],
+                             lay.row_prompt, np.arange(Bp, dtype=np.int32), budget_Bp, key, eos,
+                             np.int32(pad)))
+    ro = sampler.to_rollout({n: out[n][:lay.rows] for n in sampler.ROLLOUT_ARRAYS}, prompt_PT,
+                            pmask_PT, G)
+    return (ro, _stats(out, cs, D)) if return_stats else ro

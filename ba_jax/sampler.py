@@ -346,6 +346,40 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     num_samples: int,
+    max_new_tokens: int | Sequence[int] | np.ndarray,
+    key: jax.Array,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_ids: Sequence[int],
+    pad_id: int | None = None,
+    mesh: Mesh | None = None,
+    **engine_options: Any,
+) -> Rollout:
+    """Samples `num_samples` responses per prompt (temperature 0: greedy) -> host Rollout,
+    through the rollout engine (`engine.generate`: continuous batching over a paged cache;
+    `engine_options` are its `num_slots`, `page_size`, `num_pages`, `return_stats`).
+
+    `max_new_tokens`: an int, one budget per prompt [P] or one per row [P*G]; the Rollout is
+    as wide as the largest. `pad_id` (default: the first EOS id, as Hugging Face does) fills
+    prompt padding and the slots after a row's EOS. With `mesh`, rows are split over its
+    data/fsdp axes, each row device decoding its own rows (hand it `engine.decode_copy`
+    weights). The token at position t of row s is drawn with key fold_in(fold_in(key, s), t),
+    so a call's rollouts do not depend on the slots, pages or devices that ran it.
+    """
+    from ba_jax import engine  # the engine builds on this module's sampling math
+
+    return engine.generate(model, prompts, num_samples=num_samples,
+                           max_new_tokens=max_new_tokens, key=key, temperature=temperature,
+                           top_k=top_k, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh,
+                           **engine_options)
+
+
+def generate_static(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    num_samples: int,
     max_new_tokens: int,
     key: jax.Array,
     temperature: float = 1.0,
@@ -355,7 +389,9 @@ def generate(
     pad_id: int | None = None,
     mesh: Mesh | None = None,
 ) -> Rollout:
-    """Samples `num_samples` responses per prompt (temperature 0: greedy) -> host Rollout.
+    """The static sampler (`rollout.engine=static`, the engine's baseline): every row stays in
+    one batched decode loop until the last one ends; one budget for all rows. Same Rollout as
+    `generate`; its draws differ (one key per step, shared by the rows).
 
     `pad_id` (default: the first EOS id, as Hugging Face does) fills prompt padding and
     the slots after a row's EOS. With `mesh`, rows are split over its data/fsdp axes.
@@ -381,6 +417,9 @@ def prepare_request(prompts, eos_ids, pad_id, temperature, top_k, top_p):
     config = SamplingConfig(float(temperature), int(top_k), float(top_p))
     prompt_PT, pmask_PT = left_pad(prompts, prompt_bucket(max(len(p) for p in prompts)), pad)
     return np.asarray(eos, np.int32), pad, config, prompt_PT, pmask_PT
+
+
+ROLLOUT_ARRAYS = ("tokens", "logprobs", "sampling_logprobs", "mask", "done")
 
 
 def to_rollout(out: dict, prompt_PT: np.ndarray, pmask_PT: np.ndarray, G: int) -> Rollout:

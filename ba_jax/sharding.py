@@ -136,7 +136,8 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh, rules=N
     """PartitionSpec of an array whose dimensions have logical `axes` (None: replicated) on
     `mesh` (concrete or abstract); mesh axes that do not divide a dimension are dropped."""
     rules = DEFAULT_RULES if rules is None else rules
-    spec, used = [], set()
+    # inside a shard_map the manual axes are already split by hand: never named again
+    spec, used = [], set(getattr(mesh, "manual_axes", ()))
     for size, name in zip(shape, axes):
         target = rules.get(name) if name else None
         targets = (target,) if isinstance(target, str) else tuple(target or ())
@@ -155,7 +156,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     use_abstract_mesh`, as the train step traces), or `x` itself when there is none (a
     sampler or test on one device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or math.prod(mesh.shape.values()) == 1:
+    if mesh.empty or math.prod(n for a, n in mesh.shape.items() if a not in mesh.manual_axes) == 1:
         return x
     return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
 
@@ -167,6 +168,21 @@ def param_shardings(model_state, mesh: Mesh, rules=None):
         return NamedSharding(mesh, spec_for(path_str(key_path), leaf.shape, mesh, rules))
 
     return jax.tree_util.tree_map_with_path(one, model_state)
+
+
+# The decode layout: weights whole on every row device (no per-token gather of FSDP-split
+# hidden dimensions), still split over `tensor`; rows split over (`data`, `fsdp`).
+DECODE_RULES = dict(DEFAULT_RULES, embed=None)
+
+
+def decode_shardings(model_state, mesh: Mesh):
+    """NamedSharding pytree of `model_state` for decoding (`DECODE_RULES`)."""
+    return param_shardings(model_state, mesh, DECODE_RULES)
+
+
+def row_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes rows are split over (`BATCH_AXES` present in `mesh`, not manual)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.shape and a not in mesh.manual_axes)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

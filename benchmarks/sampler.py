@@ -1,4 +1,5 @@
-"""Sampling throughput of `ba_jax.sampler.generate` against transformers `generate`.
+"""Sampling throughput of `ba_jax.sampler.generate_static` (the static sampler) against
+transformers `generate`, and of the rollout engine (`sampler.generate`) against the static one.
 
 Workload (spec/performance.md): the reference Qwen3 model (vocab 8192, hidden 512, 8 layers,
 random init), 16 prompts of 32 tokens x 8 samples x 128 new tokens, every row forced to full
@@ -67,7 +68,7 @@ def ours_setup(model_dir: str, precision: str):
     def run_once() -> float:
         calls[0] += 1
         t0 = time.perf_counter()
-        ro = sampler.generate(model, prompts, num_samples=G, max_new_tokens=M,
+        ro = sampler.generate_static(model, prompts, num_samples=G, max_new_tokens=M,
                               key=jax.random.key(calls[0]), temperature=1.0,
                               eos_ids=[V])  # id V is never sampled: every row runs full length
         dt = time.perf_counter() - t0
@@ -113,7 +114,7 @@ def heavy_setup(model_dir: str, precision: str, which: str):
                         kv_held=kv_bytes(P * TP + st.peak_pages * st.page_size, dtype),
                         kv_live=kv_bytes(P * TP + st.live_at_peak, dtype))
         else:
-            ro = sampler.generate(model, prompts, max_new_tokens=HEAVY_CAP, **kw)
+            ro = sampler.generate_static(model, prompts, max_new_tokens=HEAVY_CAP, **kw)
             dt = time.perf_counter() - t0
             assert ro.mask.all(), "a row stopped early"
             info.update(useful_fraction=useful / (P * G * HEAVY_CAP),

@@ -5,8 +5,10 @@ not depend on the slot count or page size, and pages that all come back."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from ba_jax import engine, grpo
 from test_sampler import PROMPTS, _hf_greedy, _tiny
@@ -41,7 +43,7 @@ def test_logprobs_equal_the_trainers_with_per_row_budgets(tmp_path_factory):
     for i in np.flatnonzero(ro.finish_reason == "length"):
         assert ro.lengths[i] == budgets[i]
     m = ro.mask.astype(bool)
-    graphdef, params = __import__("flax").nnx.split(model)
+    graphdef, params = nnx.split(model)
     batch = dict(prompt_tokens_BT=ro.prompt_tokens, prompt_mask_BT=ro.prompt_mask,
                  tokens_BR=ro.tokens)
     old_logp_BR, _ = jax.jit(grpo.policy_logprobs, static_argnums=0)(graphdef, params, batch)
@@ -92,3 +94,42 @@ def test_training_with_the_engine(tmp_path):
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) and r["generated_tokens"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("axes", [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_row_parallel_decode_equals_one_device(tmp_path_factory, axes):
+    """With a mesh each row device runs its own engine on its block of rows (uneven: 12 rows
+    over 8 or 4 devices, prompts straddling devices); the rollouts are the one-device ones,
+    from a decode copy of FSDP/tensor-split weights (whole over rows, split over tensor)."""
+    from ba_jax.models import convert_hf
+    from ba_jax.sharding import decode_shardings, make_mesh
+
+    path, model = _tiny("qwen3", tmp_path_factory)
+    mesh = make_mesh(axes)
+    sharded = convert_hf.load_hf(path, dtype=jnp.float32, mesh=mesh)
+    graphdef, state = nnx.split(sharded)
+    copy = engine.decode_copy(state, mesh, jnp.float32)
+    want_sh = decode_shardings(state, mesh)
+    for leaf, sh in zip(jax.tree.leaves(copy), jax.tree.leaves(want_sh)):
+        assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
+    decoder = nnx.merge(graphdef, copy)
+    kw = dict(num_samples=4, max_new_tokens=[12, 5, 9], temperature=1.0, key=jax.random.key(4),
+              eos_ids=[2], return_stats=True, num_slots=6, page_size=4)
+    want, sw = engine.generate(model, PROMPTS, **kw)
+    got, sg = engine.generate(decoder, PROMPTS, mesh=mesh, **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    assert sg.num_devices == engine.row_devices(mesh) > 1
+    assert sg.busy_slot_steps == sw.busy_slot_steps == int((want.lengths - 1).sum())
+
+
+def test_row_layout_covers_every_row_once():
+    for P, G, D in ((3, 4, 8), (3, 4, 4), (4, 4, 8), (2, 16, 8), (5, 3, 2), (1, 2, 4)):
+        lay = engine.row_layout(P, G, D)
+        b = lay.rows_per_device
+        assert D * b >= P * G and b == -(-(P * G) // D)
+        index = lay.prompt_index.reshape(D, lay.prompts_per_device)
+        prompt_of = index[np.repeat(np.arange(D), b), lay.row_prompt]
+        want = np.minimum(np.arange(D * b) // G, P - 1)
+        np.testing.assert_array_equal(prompt_of, want)

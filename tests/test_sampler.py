@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from scipy import stats
 
-from ba_jax import grpo, sampler
+from ba_jax import engine, grpo, sampler
 from ba_jax.models import convert_hf, qwen
 from ba_jax.sharding import make_mesh
 from helpers_hf import make_tiny_hf
@@ -60,14 +60,20 @@ def _hf_greedy(path: str, prompts, max_new_tokens: int, eos: int, pad: int) -> n
     return np.pad(new, ((0, 0), (0, max_new_tokens - new.shape[1])), constant_values=pad)
 
 
-def test_greedy_matches_transformers(tiny):
+# `generate` runs the rollout engine; `generate_static` the static batch (its baseline)
+GENERATORS = pytest.mark.parametrize("generate", [sampler.generate, sampler.generate_static],
+                                     ids=["engine", "static"])
+
+
+@GENERATORS
+def test_greedy_matches_transformers(tiny, generate):
     path, model = tiny
     M = 12
     # An EOS the random model does emit, so some rows stop early; find it from HF's output.
     free = _hf_greedy(path, PROMPTS, M, eos=127, pad=0)
     eos = int(free[1, 4])
     want = _hf_greedy(path, PROMPTS, M, eos=eos, pad=0)
-    ro = sampler.generate(model, PROMPTS, key=jax.random.key(0), eos_ids=[eos], **GREEDY_KW)
+    ro = generate(model, PROMPTS, key=jax.random.key(0), eos_ids=[eos], **GREEDY_KW)
     np.testing.assert_array_equal(ro.tokens, np.repeat(want, 4, axis=0))
     assert ro.finish_reason[4] == "eos" and ro.lengths[4] <= 5
     np.testing.assert_array_equal(ro.group_ids, np.repeat([0, 1, 2], 4))
@@ -78,9 +84,10 @@ def _forward(model, tokens_BT, mask_BT):
     return model(tokens_BT, None, mask_BT)
 
 
-def test_logprobs_equal_full_forward_recomputation(tiny):
+@GENERATORS
+def test_logprobs_equal_full_forward_recomputation(tiny, generate):
     _, model = tiny
-    ro = sampler.generate(model, PROMPTS[:2], key=jax.random.key(3), **SAMPLE_KW)
+    ro = generate(model, PROMPTS[:2], key=jax.random.key(3), **SAMPLE_KW)
     m = ro.mask.astype(bool)
     assert m.sum() > 20
     # The trainer's own function: old_logp as the update recomputes it.
@@ -224,7 +231,7 @@ def _chain_model(V: int = 10) -> Bigram:
 
 def test_eos_stops_row_and_masks_after_it():
     model = _chain_model()
-    ro = sampler.generate(model, [[1], [0, 5], [8]], num_samples=1, max_new_tokens=6,
+    ro = sampler.generate_static(model, [[1], [0, 5], [8]], num_samples=1, max_new_tokens=6,
                           key=jax.random.key(0), temperature=0.0, eos_ids=[4, 7], pad_id=0)
     np.testing.assert_array_equal(ro.tokens, [[2, 3, 4, 0, 0, 0], [6, 7, 0, 0, 0, 0],
                                               [9, 8, 9, 8, 9, 8]])
@@ -240,7 +247,7 @@ def test_group_shares_one_prefill():
     model = _chain_model()
     CALLS.clear()
     P, G = 3, 4
-    ro = sampler.generate(model, [[1], [5, 6], [8, 9, 8]], num_samples=G, max_new_tokens=5,
+    ro = sampler.generate_static(model, [[1], [5, 6], [8, 9, 8]], num_samples=G, max_new_tokens=5,
                           key=jax.random.key(1), temperature=1.0, eos_ids=[4], pad_id=0)
     assert ro.tokens.shape == (P * G, 5)
     # one prefill, of the P prompts only (bucket 16); every decode step runs the P*G rows
@@ -250,21 +257,24 @@ def test_group_shares_one_prefill():
     assert decodes and all(c == ("decode", (P * G,), P * G, P) for c in decodes), CALLS
 
 
-def test_same_key_same_output_and_no_retrace(tiny3):
+@pytest.mark.parametrize("generate,counts", [
+    (sampler.generate, engine.TRACE_COUNTS),
+    (sampler.generate_static, sampler.TRACE_COUNTS)], ids=["engine", "static"])
+def test_same_key_same_output_and_no_retrace(tiny3, generate, counts):
     _, model = tiny3
     kw = SAMPLE_KW
-    a = sampler.generate(model, PROMPTS[:2], key=jax.random.key(5), **kw)
-    traces = sum(sampler.TRACE_COUNTS.values())
-    b = sampler.generate(model, PROMPTS[:2], key=jax.random.key(5), **kw)
-    c = sampler.generate(model, [[1, 2], [3] * 12], key=jax.random.key(6), **kw)  # same bucket
-    assert sum(sampler.TRACE_COUNTS.values()) == traces, "a call in the same bucket retraced"
+    a = generate(model, PROMPTS[:2], key=jax.random.key(5), **kw)
+    traces = sum(counts.values())
+    b = generate(model, PROMPTS[:2], key=jax.random.key(5), **kw)
+    c = generate(model, [[1, 2], [3] * 12], key=jax.random.key(6), **kw)  # same bucket
+    assert sum(counts.values()) == traces, "a call in the same bucket retraced"
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
-    d = sampler.generate(model, PROMPTS[:2], key=jax.random.key(6), **kw)
+    d = generate(model, PROMPTS[:2], key=jax.random.key(6), **kw)
     assert (a.tokens != d.tokens).any()
     assert c.tokens.shape == a.tokens.shape
-    sampler.generate(model, [[1] * 40, [2]], key=jax.random.key(5), **kw)  # bucket 64: compiles
-    assert sum(sampler.TRACE_COUNTS.values()) == traces + 1
+    generate(model, [[1] * 40, [2]], key=jax.random.key(5), **kw)  # bucket 64: compiles
+    assert sum(counts.values()) == traces + 1
 
 
 def test_sharded_rows_equal_unsharded(tiny3):
@@ -272,7 +282,7 @@ def test_sharded_rows_equal_unsharded(tiny3):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded = convert_hf.load_hf(path, dtype=jnp.float32, mesh=mesh)
     kw = dict(key=jax.random.key(2), eos_ids=[2], **GREEDY_KW)  # 12 rows over data x fsdp = 4
-    want = sampler.generate(model, PROMPTS, **kw)
-    got = sampler.generate(sharded, PROMPTS, mesh=mesh, **kw)
+    want = sampler.generate_static(model, PROMPTS, **kw)
+    got = sampler.generate_static(sharded, PROMPTS, mesh=mesh, **kw)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)

@@ -400,10 +400,11 @@ def _splash(
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     rows, n_rows = [], 1
     for axis in ("data", "fsdp"):
-        if axis in sizes and B % (n_rows * sizes[axis]) == 0:
+        if axis in sizes and axis not in mesh.manual_axes and B % (n_rows * sizes[axis]) == 0:
             rows.append(axis)
             n_rows *= sizes[axis]
-    heads = "tensor" if "tensor" in sizes and K % sizes["tensor"] == 0 else None
+    heads = ("tensor" if "tensor" in sizes and "tensor" not in mesh.manual_axes
+             and K % sizes["tensor"] == 0 else None)
     if not rows and heads is None:
         return local(q_BTNH, k_BTKH, v_BTKH, valid_BT)
     row_spec = tuple(rows) or None
