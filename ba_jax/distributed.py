@@ -1,8 +1,8 @@
 """Multi-controller set-up: every host runs the same program; jax.distributed joins them.
 
 What lives here: starting `jax.distributed` from the environment, and the few
-cross-process helpers the RL loop needs (gathering host-side rows, process-local copies
-of replicated parameters for sampling, global arrays from local rows). What does not:
+cross-process helpers the RL loop needs (gathering host-side rows, the process-local mesh
+and weights each host samples with on all of its devices, global arrays from local rows). What does not:
 the mesh (sharding.py) or the loop (train.py).
 
 Environment (one process per host, all started with the same command):
@@ -21,7 +21,7 @@ import os
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 _started = False
 
@@ -70,21 +70,35 @@ def gather_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in rows.items()}
 
 
-def local_copy(tree):
-    """Process-local copy of replicated global arrays, for sampling on this host alone.
+def local_mesh(mesh: Mesh) -> Mesh:
+    """This process's devices of `mesh`, as a mesh of the same axes where each keeps its
+    `tensor` coordinate: rows go over (data, fsdp) of the process's own devices. ValueError
+    if a tensor group spans processes (the sampler then has no whole weights on a host)."""
+    me = jax.process_index()
+    mine = [(idx, d) for idx, d in np.ndenumerate(mesh.devices) if d.process_index == me]
+    t = mesh.shape.get("tensor", 1)
+    tensor_at = mesh.axis_names.index("tensor") if "tensor" in mesh.axis_names else None
+    if len(mine) % t or any(tensor_at is not None and idx[tensor_at] != i % t
+                            for i, (idx, _) in enumerate(mine)):
+        raise ValueError(f"the mesh's tensor axis ({t}) spans processes: each process must hold "
+                         "whole tensor groups to sample on its own devices")
+    sizes = [len(mine) // t if a == "data" else t if a == "tensor" else 1
+             for a in mesh.axis_names]
+    return Mesh(np.array([d for _, d in mine]).reshape(sizes), mesh.axis_names)
 
-    Parameters sharded across processes (FSDP over hosts) are all-gathered first.
-    """
+
+def to_local(tree, mesh: Mesh):
+    """Arrays of `tree`, whole over the row axes of their global mesh (`engine.decode_copy`),
+    as arrays on this process's `mesh` (`local_mesh`) with the same spec: each local device
+    keeps the shard it already holds, nothing moves. With one process: `tree` itself."""
     if jax.process_count() == 1:
         return tree
 
     def one(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            return x
-        if x.is_fully_replicated:
-            return x.addressable_data(0)
-        return jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)),
-                              jax.local_devices()[0])
+        shards = {s.device: s.data for s in x.addressable_shards}
+        sh = NamedSharding(mesh, x.sharding.spec)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sh, [shards[d] for d in mesh.devices.flat])
 
     return jax.tree.map(one, tree)
 

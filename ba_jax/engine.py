@@ -404,19 +404,35 @@ def generate(
         prompts, eos_ids, pad_id, temperature, top_k, top_p)
     P, G = len(prompts), int(num_samples)
     budget_B = row_budgets(max_new_tokens, P, G)
+    out, st = run_call(model, prompt_PT, pmask_PT, budget_B, np.arange(P * G, dtype=np.int32),
+                       key, num_samples=G, config=config, eos_E=eos, pad_id=pad,
+                       num_slots=num_slots, page_size=page_size, num_pages=num_pages, mesh=mesh)
+    ro = sampler.to_rollout(out, prompt_PT, pmask_PT, G)
+    return (ro, st) if return_stats else ro
+
+
+def run_call(model, prompt_PT: np.ndarray, prompt_mask_PT: np.ndarray, budget_B: np.ndarray,
+             sid_B: np.ndarray, key, *, num_samples: int, config: sampler.SamplingConfig,
+             eos_E: np.ndarray, pad_id: int, num_slots: int = 0, page_size: int = 16,
+             num_pages: int = 0, mesh: Mesh | None = None,
+             width: int = 0) -> tuple[dict, EngineStats]:
+    """One engine call on P left-padded prompts x G samples -> (host arrays of the P*G rows:
+    `sampler.ROLLOUT_ARRAYS`, EngineStats). Row b's tokens are drawn with the keys of sample
+    id `sid_B[b]`, so a request keeps its draws whatever call it lands in. The rows are
+    `width` wide (0: the largest budget; a fixed width compiles once whatever the budgets)."""
+    P, G = len(prompt_PT), int(num_samples)
     D = row_devices(mesh)
-    cs = call_shape(P, prompt_PT.shape[1], G, int(budget_B.max()), num_slots=num_slots,
-                    page_size=page_size, num_pages=num_pages, num_devices=D)
+    cs = call_shape(P, prompt_PT.shape[1], G, max(int(width), int(budget_B.max())),
+                    num_slots=num_slots, page_size=page_size, num_pages=num_pages, num_devices=D)
     lay = row_layout(P, G, D)
-    Bp = D * lay.rows_per_device
-    budget_Bp = np.concatenate([budget_B, np.ones(Bp - len(budget_B), np.int32)])
+    pad_rows = D * lay.rows_per_device - lay.rows
+    budget_Bp = np.concatenate([budget_B, np.ones(pad_rows, np.int32)]).astype(np.int32)
+    sid_Bp = np.concatenate([sid_B, np.full(pad_rows, -1)]).astype(np.int32)
     graphdef, state = nnx.split(model)
     run = engine_fn(graphdef, cs.prompts_per_device, cs.prompt_len, cs.rows_per_device,
                     cs.max_new_tokens, cs.slots_per_device, cs.page_size, cs.pages_per_device,
                     config, mesh)
-    out = jax.device_get(run(state, prompt_PT[lay.prompt_index], pmask_PT[lay.prompt_index],
-                             lay.row_prompt, np.arange(Bp, dtype=np.int32), budget_Bp, key, eos,
-                             np.int32(pad)))
-    ro = sampler.to_rollout({n: out[n][:lay.rows] for n in sampler.ROLLOUT_ARRAYS}, prompt_PT,
-                            pmask_PT, G)
-    return (ro, _stats(out, cs, D)) if return_stats else ro
+    out = jax.device_get(run(state, prompt_PT[lay.prompt_index],
+                             prompt_mask_PT[lay.prompt_index], lay.row_prompt, sid_Bp, budget_Bp,
+                             key, eos_E, np.int32(pad_id)))
+    return {n: out[n][:lay.rows] for n in sampler.ROLLOUT_ARRAYS}, _stats(out, cs, D)

@@ -1,8 +1,8 @@
 """Evaluation on the paper's benchmarks: k samples per problem -> avg@k, pass@k, maj@k.
 
 Lives here: the metrics (`pass_at_k`, `majority_index`, `benchmark_metrics`), the prompt
-templates, `load_model` (which checkpoint layout a folder holds), `sample_responses` (batched
-`sampler.generate`), `evaluate_benchmark` (scoring), the results.json / results.md writers,
+templates, `load_model` (which checkpoint layout a folder holds), `sample_responses` (the
+rollout engine's queue, in the compute dtype), `evaluate_benchmark` (scoring), the results.json / results.md writers,
 and the command
 
     python -m ba_jax.evaluate --config=configs/default.py --checkpoint=DIR \
@@ -173,33 +173,35 @@ class Samples:
 def sample_responses(model: Any, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
                      settings: EvalSettings, key, eos_ids: Sequence[int],
                      pad_id: int | None = None, mesh=None) -> Samples:
-    """`settings.k` responses per prompt, `settings.batch_prompts` prompts per generate call."""
-    import jax
+    """`settings.k` responses per prompt through the rollout engine's queue
+    (`engine_queue.Engine`, `settings.batch_prompts` prompts of one bucket per call), decoding
+    with the model's compute-dtype copy (`engine.decode_copy`, on `mesh` if given). Sample g
+    of prompt i is drawn with key fold_in(fold_in(key, i*k + g), t): the same whatever the
+    batch size, devices or the other prompts."""
+    from flax import nnx
 
-    from ba_jax import sampler
+    from ba_jax import engine, engine_queue
 
     P, G = len(prompt_ids), settings.k
-    Pb = min(settings.batch_prompts, P)
-    order = sorted(range(P), key=lambda i: len(prompt_ids[i]))  # similar lengths share a bucket
-    texts: list[list[str]] = [[] for _ in range(P)]
+    graphdef, state = nnx.split(model)
+    decoder = nnx.merge(graphdef, engine.decode_copy(state, mesh, model.dtype))
+    queue = engine_queue.Engine(
+        decoder, num_samples=G, max_new_tokens=settings.max_new_tokens, key=key,
+        temperature=settings.temperature, top_p=settings.top_p, eos_ids=eos_ids, pad_id=pad_id,
+        prompts_per_call=min(settings.batch_prompts, P), mesh=mesh)
+    for p in prompt_ids:
+        queue.add(p)
+    done = queue.drain()
+    eos = set(int(e) for e in eos_ids)
+    texts: list[list[str]] = []
     num_tokens_PG = np.zeros((P, G), np.int32)
     finished_PG = np.zeros((P, G), bool)
-    eos = set(int(e) for e in eos_ids)
-    for b, start in enumerate(range(0, P, Pb)):
-        idx = order[start:start + Pb]
-        batch = [list(prompt_ids[i]) for i in idx]
-        batch += [batch[-1]] * (Pb - len(batch))  # a fixed P: the last batch compiles nothing new
-        ro = sampler.generate(model, batch, num_samples=G, max_new_tokens=settings.max_new_tokens,
-                              key=jax.random.fold_in(key, b), temperature=settings.temperature,
-                              top_p=settings.top_p, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh)
+    for i in range(P):
+        c = done[i]
         ids = [[int(t) for t in row[:n] if int(t) not in eos]
-               for row, n in zip(ro.tokens, ro.lengths)]
-        decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        for j, i in enumerate(idx):
-            rows = slice(j * G, (j + 1) * G)
-            texts[i] = decoded[rows]
-            num_tokens_PG[i] = ro.lengths[rows]
-            finished_PG[i] = ro.finish_reason[rows] == "eos"
+               for row, n in zip(c.tokens, c.lengths)]
+        texts.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
+        num_tokens_PG[i], finished_PG[i] = c.lengths, c.finish_reason == "eos"
     return Samples(texts, num_tokens_PG, finished_PG)
 
 
@@ -338,7 +340,9 @@ def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[A
 
     kind, folder = detect_checkpoint(path)
     info = {"kind": kind, "path": os.path.abspath(folder), "step": None}
-    dtype = run_config.DTYPES[cfg.model.param_dtype]
+    # compute in the run's dtype, master weights in its parameter dtype (as the trainer)
+    dtype = run_config.DTYPES[cfg.model.dtype]
+    param_dtype = run_config.DTYPES[cfg.model.param_dtype]
     if kind == "trainer":
         try:
             mesh = build.make_mesh(cfg) if mesh is None else mesh
@@ -356,9 +360,10 @@ def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[A
         tokenizer = build.load_tokenizer(cfg, info["workdir"])  # honours config.tokenizer_path
     else:
         if kind == "hf":
-            model = convert_hf.load_hf(folder, dtype=dtype, mesh=mesh)
+            model = convert_hf.load_hf(folder, dtype=dtype, mesh=mesh, param_dtype=param_dtype)
         else:
-            model = convert_hf.load_checkpoint(folder, dtype=dtype, mesh=mesh)
+            model = convert_hf.load_checkpoint(folder, dtype=dtype, mesh=mesh,
+                                               param_dtype=param_dtype)
         try:
             tokenizer = convert_hf.load_tokenizer(cfg.tokenizer_path or folder)
         except FileNotFoundError as e:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ba_jax import distributed, engine, grpo, sampler
+from ba_jax import distributed, grpo, sampler
 from ba_jax.rewards import math as math_rewards
 
 
@@ -53,11 +53,11 @@ def _round(policy, prompt_ids, truths, *, cfg, key, tokenizer, scorer, eos_ids, 
     kw = dict(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens, key=key,
               temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
               eos_ids=sorted(eos_ids), pad_id=tokenizer.pad_token_id, mesh=mesh)
-    if r.num_slots:  # the rollout engine: continuous batching over a paged cache
-        ro = engine.generate(policy, prompt_ids, num_slots=r.num_slots, page_size=r.page_size,
-                             num_pages=r.kv_pages, **kw)
-    else:
-        ro = sampler.generate(policy, prompt_ids, **kw)
+    if r.engine == "static":
+        ro = sampler.generate_static(policy, prompt_ids, **kw)
+    else:  # the rollout engine: continuous batching over a paged cache
+        ro = sampler.generate(policy, prompt_ids, num_slots=r.num_slots, page_size=r.page_size,
+                              num_pages=r.kv_pages, **kw)
     tokens_BR = np.asarray(ro.tokens)
     lengths_B = np.asarray(ro.lengths)
     t1 = time.perf_counter()

@@ -24,6 +24,7 @@ from ba_jax import aggregation, engine, grpo, sharding
 from ba_jax.models import attention, qwen
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROLLOUT_ENGINES = ("ba_jax", "static")  # config.rollout.engine
 
 
 class ConfigError(ValueError):
@@ -144,15 +145,18 @@ def validate(cfg: Any, num_devices: int) -> None:
             "so every gradient would be zero)")
     for name in ("num_updates", "num_minibatches", "num_microbatches"):
         require(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
+    require(r.engine in ROLLOUT_ENGINES,
+            f"config.rollout.engine={r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
     require(r.num_slots >= 0, f"config.rollout.num_slots={r.num_slots} must be >= 0 "
-            "(0: the static sampler)")
+            "(0: a quarter of each row device's rows)")
     require(r.page_size >= 1, f"config.rollout.page_size={r.page_size} must be >= 1")
-    if r.num_slots:
-        one = engine.pages_for(r.max_new_tokens, r.page_size)
-        require(r.kv_pages == 0 or r.kv_pages >= one,
+    if r.engine == "ba_jax" and r.kv_pages:
+        one, D = engine.pages_for(r.max_new_tokens, r.page_size), sampling_devices(cfg, num_devices)
+        require(-(-r.kv_pages // D) >= one,
                 f"config.rollout.kv_pages={r.kv_pages} cannot hold one sequence of "
                 f"config.rollout.max_new_tokens={r.max_new_tokens} tokens ({one} pages of "
-                f"config.rollout.page_size={r.page_size})")
+                f"config.rollout.page_size={r.page_size}) on each of the {D} row devices it is "
+                f"split over: give at least {one * D}, or 0 for every slot's full budget")
     require(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
             f"config.rollout.sample_shards={r.sample_shards} must divide "
             f"config.rollout.prompts_per_step={r.prompts_per_step}")
@@ -212,6 +216,13 @@ def check_positions(cfg: Any, mc: qwen.ModelConfig) -> None:
                if cfg.model.position_limit else "")
             + f": shorten them, or set config.model.position_limit={need} to run past the trained"
             " context (RoPE extends to any position; quality there is the model's)")
+
+
+def sampling_devices(cfg: Any, num_devices: int) -> int:
+    """Row devices of one sampler call: the mesh's data x fsdp, or, with several processes
+    (each samples its shards alone), the ones on this process."""
+    axes = mesh_axes(cfg, num_devices)
+    return axes["data"] * axes["fsdp"] // jax.process_count()
 
 
 def mesh_axes(cfg: Any, num_devices: int) -> dict[str, int]:

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from ba_jax import aggregation, build, checkpoint, data, distributed, experience, grpo
+from ba_jax import aggregation, build, checkpoint, data, distributed, engine, experience, grpo
 from ba_jax import metrics as metrics_lib
 from ba_jax import optim, run_config, sharding, workdir_lock
 from ba_jax.rewards import math as math_rewards
@@ -259,7 +259,8 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     G, S = cfg.rollout.num_samples, cfg.rollout.sample_shards
     per_proc = S // jax.process_count()
     shards = list(range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc))
-    multi = jax.process_count() > 1
+    sample_mesh = distributed.local_mesh(mesh) if jax.process_count() > 1 else mesh
+    compute_dtype = run_config.DTYPES[cfg.model.dtype]
 
     def next_prompts():
         idx = iterator.next_batch()
@@ -271,13 +272,16 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     try:
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
-            # Several processes: each samples its shards on its own devices from a local copy
-            # of the (replicated) policy; one process: the sampler shares the training mesh.
-            policy = nnx.merge(graphdef, distributed.local_copy(state["params"]))
+            # The sampler's weights, handed over once per step: the compute-dtype copy, whole
+            # on every row device (a reshard of the FSDP-split master, cast before it moves);
+            # several processes: each samples its shards on all of its own devices.
+            decoder = engine.decode_copy(state["params"], mesh, compute_dtype)
+            policy = nnx.merge(graphdef, distributed.to_local(decoder, sample_mesh))
             exp = experience.collect(
                 policy, next_prompts, cfg=cfg, key=jax.random.fold_in(jax.random.key(cfg.seed), it),
                 tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids,
-                rule=prompt_set.reward_rule, mesh=None if multi else mesh, shards=shards)
+                rule=prompt_set.reward_rule, mesh=sample_mesh, shards=shards)
+            del decoder, policy  # not held through the update
             t1 = time.perf_counter()
             batch = exp.batch
             dev = distributed.put_local_rows(

@@ -87,10 +87,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              # Independent sampler calls per step (own key each); a multiple of the number
              # of processes, each of which samples its own shards.
              sample_shards=1,
-             # Decode slots of the rollout engine (ba_jax.engine: continuous batching over a
-             # paged KV cache); 0 keeps the static sampler (every row in the loop until the
-             # last one ends). page_size: tokens per KV page; kv_pages: pages in the pool per
-             # sampler call (0: every slot's full budget at once).
+             # Who samples: "ba_jax", the rollout engine (ba_jax.engine: continuous batching
+             # over a paged KV cache, rows split over the mesh's data/fsdp devices), or
+             # "static", the static sampler kept as its baseline (every row in one batch
+             # until the last one ends).
+             engine="ba_jax",
+             # Engine decode slots per sampler call, split evenly over the row devices (0: a
+             # quarter of each device's rows); page_size: tokens per KV page; kv_pages:
+             # pages per call, split likewise (0: every slot's largest budget at once).
              num_slots=0, page_size=16, kv_pages=0)
     )
     c.grpo = ml_collections.ConfigDict(

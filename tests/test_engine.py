@@ -82,14 +82,16 @@ def test_pool_too_small_and_bad_budgets_are_start_up_errors(tmp_path_factory):
         engine.generate(model, PROMPTS[:1], max_new_tokens=[4, 0], **kw)
 
 
-def test_training_with_the_engine(tmp_path):
-    """`rollout.num_slots > 0` samples the RL loop's rollouts with the engine (fewer slots than
-    rows, small pages) on the 8-device mesh; the run completes and logs every step."""
+@pytest.mark.parametrize("overrides", [{"rollout.num_slots": 8, "rollout.page_size": 4},
+                                       {"rollout.engine": "static"}], ids=["engine", "static"])
+def test_training_with_each_sampler(tmp_path, overrides):
+    """The RL loop samples with the engine (the default; here fewer slots than rows, small
+    pages, rows over the 8-device mesh) or the static sampler; the run completes and logs."""
     from ba_jax import train
     from ba_jax.metrics import read_metrics
     from test_train import debug_config
 
-    cfg = debug_config(**{"num_train_steps": 2, "rollout.num_slots": 8, "rollout.page_size": 4})
+    cfg = debug_config(**{"num_train_steps": 2, **overrides})
     train.train_and_evaluate(cfg, str(tmp_path))
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
@@ -133,3 +135,37 @@ def test_row_layout_covers_every_row_once():
         prompt_of = index[np.repeat(np.arange(D), b), lay.row_prompt]
         want = np.minimum(np.arange(D * b) // G, P - 1)
         np.testing.assert_array_equal(prompt_of, want)
+
+
+def test_queue_gives_each_request_the_same_samples_however_it_is_batched(tmp_path_factory):
+    """engine_queue.Engine: requests of mixed prompt buckets and budgets, stepped in calls of
+    2 or 3 prompts (the last call of a bucket padded), give the samples `engine.generate`
+    draws for the same rows in one call: a request's keys are its own."""
+    from ba_jax import engine_queue
+
+    _, model = _tiny("qwen3", tmp_path_factory)
+    prompts = PROMPTS + [[3, 4], list(range(60, 80))]  # buckets 16, 16, 32, 16, 32
+    budgets = [9, 4, 7, 9, 2]
+    kw = dict(num_samples=3, temperature=1.0, key=jax.random.key(11), eos_ids=[2])
+    want = engine.generate(model, prompts, max_new_tokens=budgets, num_slots=4, page_size=4,
+                           **kw)
+    for per_call in (2, 3):
+        q = engine_queue.Engine(model, max_new_tokens=9, prompts_per_call=per_call,
+                                num_slots=3, page_size=4, **kw)
+        rids = [q.add(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+        assert rids == list(range(5)) and q.pending == 5
+        first = q.step()  # the oldest request's bucket (16) first
+        assert [c.request_id for c in first] == [0, 1, 3][:per_call]
+        done = {c.request_id: c for c in first} | q.drain()
+        assert q.pending == 0 and sorted(done) == rids
+        assert q.calls == (2 if per_call == 3 else 3)
+        for i in rids:
+            rows = slice(3 * i, 3 * i + 3)
+            np.testing.assert_array_equal(done[i].tokens[:, :9], want.tokens[rows])
+            np.testing.assert_array_equal(done[i].mask, want.mask[rows])
+            np.testing.assert_allclose(done[i].logprobs, want.logprobs[rows], atol=1e-5, rtol=0)
+            assert (done[i].lengths <= budgets[i]).all()
+    with pytest.raises(ValueError, match="max_new_tokens <= 9"):
+        q.add([1, 2], max_new_tokens=10)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        engine_queue.Engine(model, max_new_tokens=40, page_size=4, num_pages=3, **kw)
