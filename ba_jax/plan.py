@@ -66,27 +66,35 @@ def _param_path(key_path) -> str:
     return "" if first is None else sharding.path_str(key_path[first:])
 
 
-def _split(path: str, shape: tuple[int, ...], mesh) -> int:
+def _split(path: str, shape: tuple[int, ...], mesh, rules=None) -> int:
     """How many pieces the sharding rules cut a leaf into (1: replicated)."""
     from ba_jax import sharding
 
     if not path or not shape:
         return 1
     n = 1
-    for entry in sharding.spec_for(path, shape, mesh):
+    for entry in sharding.spec_for(path, shape, mesh, rules):
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
         n *= math.prod(mesh.shape[a] for a in names)
     return n
 
 
-def tree_bytes(tree: Any, mesh) -> tuple[int, int]:
-    """(global bytes, per-device bytes) of an abstract parameter or optimizer pytree."""
+def tree_bytes(tree: Any, mesh, rules=None) -> tuple[int, int]:
+    """(global bytes, per-device bytes) of an abstract parameter or optimizer pytree laid
+    out by `rules` (default: `sharding.DEFAULT_RULES`)."""
     total = per_device = 0
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         total += size
-        per_device += size // _split(_param_path(key_path), tuple(leaf.shape), mesh)
+        per_device += size // _split(_param_path(key_path), tuple(leaf.shape), mesh, rules)
     return total, per_device
+
+
+def decode_params(params: Any, dtype) -> Any:
+    """Abstract `engine.decode_copy` of abstract `params`: matrices in the compute dtype."""
+    from ba_jax import grpo
+
+    return jax.eval_shape(lambda p: grpo.compute_copy(p, dtype), params)
 
 
 def _tp(n: int, tensor: int) -> float:
@@ -112,9 +120,12 @@ def _per_dev(rows: int, dp: int) -> int:
 #                            and the embedding gradient's scatter-add before it is reduced
 #   head_chunk    b c V/t    one chunk of float32 logits, probabilities and their cotangent
 # of the sampler call (B rows and P prompts per device, R new tokens, Tp prompt bucket):
-#   kv_cache      2 L K H (B R + P Tp)   the decode cache and the shared prompt cache
+#   kv_cache      2 L K H (B R + P Tp)   the decode cache and the shared prompt cache; the
+#                                        engine's: its page pool and prompt caches,
+#                                        2 L K H (pages x page_size + P Tp)
 #   prefill       P Tp (D + F)           one layer's prefill working set
-#   decode_vocab  B V/t                  one decode step's logits and sampling arrays
+#   decode_vocab  B V/t                  one decode step's logits and sampling arrays (the
+#                                        engine's: its S slots)
 #   head_weight   V D/t
 # Exact and added as they are: parameters, optimizer state, gradients (parameter dtype),
 # the float32 gradient accumulator, the batch. The coefficients are least-squares fits to
@@ -165,10 +176,10 @@ def memory_features(p: dict, kind: str) -> dict[str, float]:
                     layer_kv=layers * bT * 2 * _tp(K, t) * H, head_weight=head_weight,
                     head_chunk=s["microbatch_rows_per_device"] * s["head_chunk"] * _tp(V, t))
     if kind == "sample":
-        B, P = s["sample_rows_per_device"], s["sample_prompts_per_device"]
-        return dict(kv_cache=2 * L * _tp(K, t) * H * (B * s["new_tokens"] + P * s["prompt_bucket"]),
+        P = s["sample_prompts_per_device"]
+        return dict(kv_cache=2 * L * _tp(K, t) * H * s["kv_tokens"],
                     prefill=P * s["prompt_bucket"] * (D + _tp(F, t)),
-                    decode_vocab=B * _tp(V, t), head_weight=head_weight)
+                    decode_vocab=s["decode_rows"] * _tp(V, t), head_weight=head_weight)
     raise ValueError(f"kind={kind!r}; valid: train, sample")
 
 
@@ -247,15 +258,18 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     R = cfg.rollout.max_new_tokens
     T = Tp + R - 1  # grpo.sequence_inputs drops the last slot of [prompt | response]
     # one sampler call: a sampling shard's prompts, its G samples each
-    Pg = P // max(cfg.rollout.sample_shards, 1)
-    B_dev, P_dev = _per_dev(Pg * G, dp), _per_dev(Pg, dp)
+    sample = sample_shape(cfg, dp)
     remat = "full" if cfg.model.remat != "none" else "none"
     shapes = dict(microbatch_rows_per_device=mb_rows_dev, seq_len=T, prompt_bucket=Tp,
                   new_tokens=R, head_chunk=min(cfg.model.logits_chunk or R, R), remat=remat,
-                  attention="xla" if cfg.model.attention == "xla" else "flash",
-                  sample_rows_per_device=B_dev, sample_prompts_per_device=P_dev)
+                  attention="xla" if cfg.model.attention == "xla" else "flash", **sample)
     L, K, H = mc.num_layers, mc.num_kv_heads, mc.head_dim
-    kv_cache = int(2 * L * _tp(K, axes["tensor"]) * H * (B_dev * R + P_dev * Tp) * itemsize)
+    kv_cache = int(2 * L * _tp(K, axes["tensor"]) * H * sample["kv_tokens"] * itemsize)
+    # the sampler's weights: the engine decodes with a compute-dtype copy whole on every row
+    # device (engine.decode_copy), the static sampler with the same copy
+    from ba_jax import sharding
+
+    decode_dev = tree_bytes(decode_params(params, dtype), mesh, sharding.DECODE_RULES)[1]
     # the train step's mini-batch on one device: int32 / float32 ids, masks, log-probs
     batch_dev = _per_dev(rows, dp) * (2 * Tp + 3 * R + 2) * 4
     p = dict(
@@ -265,7 +279,8 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
         use_remat=remat == "full", usable_fraction=usable_fraction, warnings=warnings,
         shapes=shapes, global_bytes=dict(params=params_total, optimizer=opt_total),
         bytes=dict(params=params_dev, grads=params_dev, grad_accumulator=accum_dev,
-                   optimizer=opt_dev, batch=batch_dev, kv_cache=kv_cache),
+                   optimizer=opt_dev, batch=batch_dev, kv_cache=kv_cache,
+                   decode_weights=decode_dev),
     )
     act = {m: activation_estimate(dict(p, shapes=dict(shapes, remat=m)), "train")
            for m in ("full", "none")}
@@ -273,8 +288,8 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     b = p["bytes"]
     resident = params_dev + opt_dev
     train_peak = resident + batch_dev + exact_temp_bytes(p, "train") + act[remat]["total"]
-    sample_call = params_dev + samp["total"]  # what the sampler's own program holds
-    sample_peak = resident + samp["total"]  # ... beside the optimizer state on the device
+    sample_call = decode_dev + samp["total"]  # what the sampler's own program holds
+    sample_peak = resident + sample_call  # ... beside the train state on the device
     peak = max(train_peak, sample_peak)
     b.update(activations_remat=act["full"]["total"], activations_no_remat=act["none"]["total"],
              attention_scores_per_layer=act["full"].get("attention_scores", 0),
@@ -282,7 +297,49 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
              train_peak=train_peak, sample_call=sample_call, sample_peak=sample_peak, peak=peak)
     p["terms"] = dict(train=act[remat], sample=samp)
     p["fits"] = {name: peak <= usable_fraction * gib * GIB for name, gib in DEVICES.items()}
+    p["slots_that_fit"] = slots_that_fit(p, samp)
+
     return p
+
+
+def slots_that_fit(p: dict, samp: dict) -> dict[str, int]:
+    """Per named device, the largest engine `rollout.num_slots` (per call, all row devices)
+    whose sampling peak fits beside the train state, with the pool at every slot's full
+    budget (`kv_pages=0`); empty for the static sampler or a fixed pool. The peak is affine
+    in the slots: each adds its pages to the pool and one row to the decode-step arrays."""
+    s = p["shapes"]
+    if "slots_per_device" not in s or s.get("fixed_pool"):
+        return {}
+    S = s["slots_per_device"]
+    one = dict(p, shapes=dict(s, kv_tokens=s["kv_tokens"] + s["slot_tokens"],
+                              decode_rows=s["decode_rows"] + 1))
+    per_slot = activation_estimate(one, "sample")["total"] - samp["total"]
+    fixed = p["bytes"]["sample_peak"] - S * per_slot
+    dp = p["mesh"]["data"] * p["mesh"]["fsdp"]
+    return {name: max(int((p["usable_fraction"] * gib * GIB - fixed) // per_slot), 0) * dp
+            for name, gib in DEVICES.items()}
+
+
+def sample_shape(cfg: Any, row_devices: int) -> dict:
+    """One sampler call of `cfg` on one of `row_devices` devices: prompts, cached tokens
+    (`kv_tokens`) and decode rows; for the engine also its slots and pages per device."""
+    from ba_jax import engine, sampler
+
+    r = cfg.rollout
+    Pg, G, R = r.prompts_per_step // max(r.sample_shards, 1), r.num_samples, r.max_new_tokens
+    Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
+    if r.engine == "static":
+        B, Pd = _per_dev(Pg * G, row_devices), _per_dev(Pg, row_devices)
+        return dict(sample_rows_per_device=B, sample_prompts_per_device=Pd,
+                    kv_tokens=B * R + Pd * Tp, decode_rows=B)
+    cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
+                           num_pages=r.kv_pages, num_devices=row_devices)
+    return dict(sample_rows_per_device=cs.rows_per_device,
+                sample_prompts_per_device=cs.prompts_per_device,
+                kv_tokens=cs.pages_per_device * cs.page_size + cs.prompts_per_device * Tp,
+                decode_rows=cs.slots_per_device, slots_per_device=cs.slots_per_device,
+                pages_per_device=cs.pages_per_device, fixed_pool=bool(r.kv_pages),
+                slot_tokens=engine.pages_for(R, cs.page_size) * cs.page_size)
 
 
 def _sds(x, sh):
@@ -348,7 +405,7 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     `devices`: compile for these instead of the process's default devices."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from ba_jax import build, sampler, train
+    from ba_jax import build, engine, run_config, sampler, sharding, train
 
     devices = jax.devices() if devices is None else list(devices)
     have = len(devices)
@@ -366,19 +423,33 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     step = train.make_train_step(cfg, graphdef, tx, state, mesh, num_groups=P // M)
     out = dict(train=_memory(step.trace(state, batch).lower().compile()))
     out["train"]["planned_bytes"] = int(p["bytes"]["train_peak"])
-    # The sampler call as the trainer makes it on one process: the policy's parameters
-    # as they are held, one `generate` per sampling shard of P / sample_shards prompts.
+    # The sampler call as the trainer makes it on one process: the decode copy of the
+    # policy (engine.decode_copy), one call per sampling shard of P / sample_shards prompts.
     Pg = P // cfg.rollout.sample_shards
     Tp, R = sampler.prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
     r = cfg.rollout
     config = sampler.SamplingConfig(float(r.temperature), int(r.top_k), float(r.top_p))
-    run = sampler.rollout_fn(graphdef, Pg, Tp, G, R, config, mesh)
     rep = NamedSharding(mesh, PartitionSpec())
     i32 = np.int32
-    args = (state["params"], jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
-            jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
-            jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((1,), i32),
-            jax.ShapeDtypeStruct((), i32))
+    copy = decode_params(state["params"], run_config.DTYPES[cfg.model.dtype])
+    copy = jax.tree.map(_sds, copy, sharding.decode_shardings(copy, mesh))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    tail = (key, jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((), i32))
+    if r.engine == "static":
+        run = sampler.rollout_fn(graphdef, Pg, Tp, G, R, config, mesh)
+        args = (copy, jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
+                jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep)) + tail
+    else:
+        D = engine.row_devices(mesh)
+        cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
+                               num_pages=r.kv_pages, num_devices=D)
+        run = engine.engine_fn(graphdef, cs.prompts_per_device, Tp, cs.rows_per_device, R,
+                               cs.slots_per_device, cs.page_size, cs.pages_per_device, config,
+                               mesh)
+        rows = NamedSharding(mesh, PartitionSpec(sharding.row_axes(mesh)))
+        Pn, Bn = D * cs.prompts_per_device, D * cs.rows_per_device
+        args = ((copy,) + tuple(jax.ShapeDtypeStruct(s, i32, sharding=rows)
+                                for s in ((Pn, Tp), (Pn, Tp), (Bn,), (Bn,), (Bn,))) + tail)
     out["sample"] = _memory(run.trace(*args).lower().compile())
     out["sample"]["planned_bytes"] = int(p["bytes"]["sample_call"])
     return out
@@ -432,12 +503,21 @@ def format_plan(p: dict, device: str | None = None) -> str:
         f"  activations, no remat   {g(b['activations_no_remat'])}   (estimate)",
         f"    of which logits       {g(b['logits'])}",
         f"    scores of one layer   {g(b['attention_scores_per_layer'])}",
-        f"  sampler KV cache        {g(b['kv_cache'])}",
+        f"  sampler weights         {g(b['decode_weights'])}   ({p['compute_dtype']} copy, "
+        "whole on each row device)",
+        f"  sampler KV cache        {g(b['kv_cache'])}" + (
+            f"   ({p['shapes']['slots_per_device']} slots, "
+            f"{p['shapes']['pages_per_device']} pages per device)"
+            if "slots_per_device" in p["shapes"] else "   (static sampler)"),
         f"  sampler transient       {g(b['sampler_transient'])}   (estimate)",
         f"  peak, train step        {g(b['train_peak'])}",
         f"  peak, sampling          {g(b['sample_peak'])}",
         f"  peak                    {g(b['peak'])}",
     ]
+    if p["slots_that_fit"]:
+        fit = p["slots_that_fit"]
+        lines.append("largest rollout.num_slots whose sampling peak fits (per call, kv_pages=0): "
+                     + ", ".join(f"{n} {fit[n]}" for n in ([device] if device else fit)))
     lines += [f"warning: {w}" for w in p["warnings"]]
     names = [device] if device else list(DEVICES)
     lines.append(f"fit (peak <= {p['usable_fraction']:.0%} of HBM):")

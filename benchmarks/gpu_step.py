@@ -3,7 +3,7 @@
 Workload: the Qwen3-1.7B preset (1.72B parameters, random weights), float32 master weights
 and AdamW state, bfloat16 compute, layer remat. Train: the real jitted `train.train_step`
 (aggregation weights, clipped surrogate, micro-batch accumulation, AdamW) on 4 prompts x 4
-samples of 512 prompt + 1536 response tokens, 4 micro-batches. Sampling: `sampler.generate`
+samples of 512 prompt + 1536 response tokens, 4 micro-batches. Sampling: `sampler.generate` (the rollout engine, from `engine.decode_copy` weights)
 of 8 prompts x 16 samples, 256 prompt tokens, 512 new tokens. Rows are split over every
 visible GPU (mesh data=-1). The peer is the hardware: MFU = model FLOP/s / (peak bf16 dense
 FLOP/s x GPUs), with
@@ -136,9 +136,11 @@ def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]
     import jax
     from flax import nnx
 
-    from ba_jax import sampler
+    from ba_jax import engine, sampler
 
-    model = nnx.merge(graphdef, params)
+    # the trainer's hand-off: a compute-dtype copy whole on every row device, then the engine
+    dtype = nnx.merge(graphdef, params).dtype
+    model = nnx.merge(graphdef, engine.decode_copy(params, mesh, dtype))
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, vocab - 1, args.sample_prompt_len)) for _ in
                range(args.sample_prompts)]

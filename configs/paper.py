@@ -24,11 +24,13 @@ and Qwen3-1.7B/Polaris 0.4614 / 0.4349 / 0.4640 for sequence / token / BA;
 Qwen2.5-Math-7B/DAPO-17k 0.3446 / 0.3364 / 0.3424, Qwen2.5-Math-7B/Polaris
 0.3172 / 0.3292 / 0.3319.
 
-Hardware (mesh fsdp over every device, 32 micro-batches of 16 rows, 8 sampler calls of 64
-rows; per-device peaks from `python -m ba_jax.plan --num_devices=N`, checked against the
-compiler by benchmarks/memory.py, figures in docs/benchmarks.md):
+Hardware (mesh fsdp over every device, 32 micro-batches of 16 rows, one rollout-engine call
+of 512 rows with 48 decode slots; per-device peaks from `python -m ba_jax.plan
+--num_devices=N`, checked against the compiler by benchmarks/memory.py, figures in
+docs/benchmarks.md):
   Qwen3-1.7B: 8 devices of >= 32 GiB (8 x H100 / A100-80GB / H200, 8 TPU v5p, v6e or v4
-    chips): 2 rows per device per micro-batch, train step ~13 GiB, sampling ~26 GiB.
+    chips): 2 rows per device per micro-batch, train step ~13 GiB, sampling ~25 GiB. On
+    80 GiB devices raise rollout.num_slots (plan: up to ~190) for more rows per decode step.
   Qwen2.5-Math-7B: 16 devices of >= 32 GiB (1 row per device, train ~18 GiB), or 8 of
     >= 80 GiB (H100 / A100-80GB / H200 / v5p: train ~36 GiB).
 The estimates are XLA:CPU's compiled figures; TPU/GPU keep bf16 intermediates in bf16, so
@@ -95,9 +97,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.prompts_per_step = 512 // 16
     c.rollout.num_samples = 16
     c.rollout.max_new_tokens = 8192
-    # 8 sampler calls of 4 prompts x 16 samples: the static cache of 64 rows x 8,192 slots
-    # per call, not 512 (docs/scaling.md: ~23 GiB per device on 8 devices, not ~173)
-    c.rollout.sample_shards = 8
+    # One engine call per step: 512 rows, split over the row devices, each running its own
+    # engine; 48 decode slots per call (6 per device on 8 devices), each promised a full
+    # 8,192-token budget of pages: a 5.9 GiB bf16 pool per device. `python -m ba_jax.plan
+    # --config=... --num_devices=N` prints the largest num_slots that fits each device.
+    c.rollout.sample_shards = 1
+    c.rollout.num_slots = 48
     # Qwen2.5-Math-7B was trained for 4,096 positions; rows here use 2,048 + 8,191. The
     # DAPO/verl recipes for it raise max_position_embeddings the same way.
     c.model.position_limit = 2048 + 8192 - 1 if preset == "Qwen2.5-Math-7B" else 0

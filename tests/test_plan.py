@@ -109,10 +109,35 @@ def test_per_device_optimizer_bytes_match_the_trainer_state():
     assert plan_lib.plan(cfg, 8)["bytes"]["optimizer"] == _device0_bytes(state["opt_state"])
 
 
+def test_kv_cache_bytes_equal_the_engines_pool():
+    """The engine's page pool ([L, pages, page_size, K, H] per device) and its prompts'
+    caches ([Pd rows, prompt bucket]), in the compute dtype; slots and pages per call are
+    split over the row devices, and a prompt whose rows straddle two devices is on both."""
+    cfg = _config("default", "debug")
+    cfg.model.dtype = "bfloat16"
+    cfg.data.max_prompt_tokens = 40  # bucket 64
+    cfg.rollout.num_slots, cfg.rollout.page_size = 8, 4  # 8 tokens: 2 pages per sample
+    mc = run_config.model_config(cfg)
+
+    def want(pages, prompts):
+        caches = jax.eval_shape(lambda: (qwen.init_cache(mc, pages, 4, jnp.bfloat16),
+                                         qwen.init_cache(mc, prompts, 64, jnp.bfloat16)))
+        return sum(x.size * 2 for x in jax.tree.leaves(caches))
+
+    p = plan_lib.plan(cfg, 1)
+    assert p["bytes"]["kv_cache"] == want(8 * 2, 4)  # 8 slots x 2 pages, 4 prompts
+    assert p["shapes"]["slots_per_device"] == 8 and p["shapes"]["pages_per_device"] == 16
+    cfg.mesh.data = 8  # 16 rows of 4 samples over 8 devices: 1 slot and 2 pages, 1 prompt each
+    assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(2, 1)
+    cfg.rollout.kv_pages = 40  # 5 per device
+    assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(5, 1)
+
+
 def test_kv_cache_bytes_equal_the_sampler_cache():
-    """The sampler's decode cache ([P*G rows, R slots]) and the prompts' shared cache
+    """The static sampler's decode cache ([P*G rows, R slots]) and the prompts' shared cache
     ([P rows, prompt bucket]), in the compute dtype, as `sampler.rollout_arrays` makes them."""
     cfg = _config("default", "debug")
+    cfg.rollout.engine = "static"
     cfg.model.dtype = "bfloat16"
     cfg.data.max_prompt_tokens = 40  # bucket 64
     p = plan_lib.plan(cfg, 1)
@@ -154,15 +179,32 @@ def test_activation_estimate_terms():
 def test_fit_verdict_flips_between_tiny_and_huge():
     tiny = plan_lib.plan(_config("default", "debug"), 1)
     assert all(tiny["fits"].values())
+    seven = _config("paper", PAPER.replace("qwen3-1.7b", "qwen2.5-math-7b"))
+    one = plan_lib.plan(seven, 1)
+    assert not any(one["fits"].values())  # 7.6B parameters' AdamW state alone: ~122 GB
     paper = _config("paper", PAPER)
-    one = plan_lib.plan(paper, 1)
-    assert not any(one["fits"].values())  # 512 x 10k-token rows and a 10k-slot cache on one chip
     many = plan_lib.plan(paper, 16)
     assert not many["warnings"]
     peak = many["bytes"]["peak"]
     for name, gib in plan_lib.DEVICES.items():
         assert many["fits"][name] == (peak <= plan_lib.USABLE_FRACTION * gib * plan_lib.GIB)
-    assert many["fits"]["h200"] and not many["fits"]["v5e"]
+    assert many["fits"]["h200"]
+
+
+def test_slots_that_fit_are_the_largest_that_fit():
+    """`plan` sizes the engine: with the reported num_slots the sampling peak fits the device,
+    with one more slot per row device it does not."""
+    for devices in (8, 16):
+        p = plan_lib.plan(_config("paper", PAPER), devices)
+        dp = p["mesh"]["data"] * p["mesh"]["fsdp"]
+        for name in ("v4", "h100"):
+            n = p["slots_that_fit"][name]
+            assert n > 0 and n % dp == 0
+            cap = plan_lib.USABLE_FRACTION * plan_lib.DEVICES[name] * plan_lib.GIB
+            for slots, fits in ((n, True), (n + dp, False)):
+                cfg = _config("paper", PAPER)
+                cfg.rollout.num_slots = slots
+                assert (plan_lib.plan(cfg, devices)["bytes"]["sample_peak"] <= cap) == fits
 
 
 def test_mesh_that_does_not_fit_the_device_count_is_an_error():
