@@ -4,6 +4,8 @@ not depend on the slot count or page size, and pages that all come back."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +171,41 @@ def test_queue_gives_each_request_the_same_samples_however_it_is_batched(tmp_pat
         q.add([1, 2], max_new_tokens=10)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         engine_queue.Engine(model, max_new_tokens=40, page_size=4, num_pages=3, **kw)
+
+
+@pytest.mark.parametrize("impl, platform, kernel", [
+    ("splash", "tpu", "tpu_custom_call"),
+    # the tensor axis stays XLA's inside the shard_map, so jax wraps the cuDNN call in its
+    # custom partitioner (expanded by XLA on the GPU): the lowered text shows the wrapper
+    ("cudnn", "cuda", "@CustomSPMDPartitioning(")])
+def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel):
+    """The engine call the trainer makes on 8 devices (bf16 decode copy, rows over the mesh,
+    each device's own while loop inside the shard_map) lowers for TPU and GPU with the
+    platform's prefill kernel; compiling it only happens on the hardware. The CPU jaxlib has
+    no CUDA plugin: jax's trace-time cuDNN version query is stood in for."""
+    from unittest import mock
+
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+    from ba_jax import build, sampler
+    from test_train import debug_config
+
+    cfg = debug_config(**{"model.attention": impl, "model.dtype": "bfloat16", "mesh.data": 8})
+    mesh = build.make_mesh(cfg)
+    graphdef, params = build.init_policy(cfg, mesh)
+    copy = engine.decode_copy(params, mesh, jnp.bfloat16)
+    P, G, R, Tp = 4, 4, 8, 16
+    cs = engine.call_shape(P, Tp, G, R, num_devices=8)
+    run = engine.engine_fn(graphdef, cs.prompts_per_device, Tp, cs.rows_per_device, R,
+                           cs.slots_per_device, cs.page_size, cs.pages_per_device,
+                           sampler.SamplingConfig(), mesh)
+    lay = engine.row_layout(P, G, 8)
+    prompts = np.ones((len(lay.prompt_index), Tp), np.int32)
+    rows = np.zeros(len(lay.row_prompt), np.int32)
+    patch = (mock.patch.object(cudnn_fa, "check_cudnn_version", return_value=90800)
+             if impl == "cudnn" else contextlib.nullcontext())
+    with patch:
+        text = run.trace(copy, prompts, prompts, lay.row_prompt, rows, rows + R,
+                         jax.random.key(0), np.array([2], np.int32), np.int32(0)).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert kernel in text and "stablehlo.while" in text
