@@ -99,7 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 8192
     # One engine call per step: 512 rows, split over the row devices, each running its own
     # engine; 48 decode slots per call (6 per device on 8 devices), each promised a full
-    # 8,192-token budget of pages: a 5.9 GiB bf16 pool per device. `python -m ba_jax.plan
+    # 8,192-token budget of pages: a 5.3 GiB bf16 pool per device. `python -m ba_jax.plan
     # --config=... --num_devices=N` prints the largest num_slots that fits each device.
     c.rollout.sample_shards = 1
     c.rollout.num_slots = 48
