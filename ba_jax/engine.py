@@ -1,11 +1,14 @@
 """The rollout engine: continuous batching of a call's samples over a paged KV cache.
 
-Lives here: `generate(...)` (the `sampler.generate` contract plus per-row budgets, slots and
-pages; it returns the same `sampler.Rollout`) and the jitted program under it. Not here: the
+Lives here: `generate(...)` (what `sampler.generate` runs: its contract plus per-row budgets,
+slots and pages; it returns a `sampler.Rollout`), `run_call` (one call on padded prompts with
+given sample ids, what `engine_queue` steps with), the jitted program under them, the row
+layout over devices and `decode_copy` (the weights a call decodes with). Not here: the
 sampling math (`sampler.sample_logits`), the model's paged decode step
-(`qwen.Qwen.decode_step_paged`), the kernel seam.
+(`qwen.Qwen.decode_step_paged`), the kernel seam, the request queue (`engine_queue`).
 
-How one call runs, all inside one jitted function (no host round trip until it returns):
+How one call runs, all inside one jitted function (one host round trip: the outputs come
+back when the call's last sample ends):
   1. The P prompts are prefilled once; their dense caches [P, Tp] are shared by reference
      by their G samples (every slot reads its prompt's row), and every sample's first token
      is drawn from its prompt's last logits.
@@ -17,11 +20,15 @@ How one call runs, all inside one jitted function (no host round trip until it r
      and samples its next token; a sample that emits an EOS id or reaches its budget
      frees its slot and its pages at once.
   3. Outputs are written per sample, [P*G, R_max], rows of one prompt contiguous.
-RNG: the token at position t of sample (p, g) is drawn with key fold_in(fold_in(key,
-p*G + g), t): the same rollouts whatever the slot count, page size or admission order.
-Greedy decoding and the temperature-1 log-probs are the static sampler's (same model code,
-same `sample_logits`); the draws themselves differ from `sampler.generate`'s (its key is
-per step, shared by the rows).
+With a mesh, the call's rows are cut into D blocks over the (data, fsdp) devices
+(`row_layout`) and each device runs steps 1-3 on its own block, prompts, slots and pool
+(`engine_fn`: a shard_map manual over those axes; no collective inside the loop).
+RNG: the token at position t of sample s (its row in the call, or the id `run_call` is
+given) is drawn with key fold_in(fold_in(key, s), t): the same rollouts whatever the slot
+count, page size, admission order, devices or processes. Greedy decoding and the
+temperature-1 log-probs are the static sampler's (same model code, same `sample_logits`);
+the draws themselves differ from `sampler.generate_static`'s (its key is per step, shared
+by the rows).
 
 Attention reads the slot's prompt row plus its W = ceil((R_max - 1) / page) page slots,
 masked to the ones it holds (a gather-based pure-JAX paged attention; fixed shapes).

@@ -1,9 +1,14 @@
-"""Group sampler: G responses for each of P prompts, one jitted while_loop per prompt bucket.
+"""Sampling: the math, the Rollout, `generate` (-> the rollout engine) and the static sampler.
 
 Lives here: the sampling math (greedy, temperature, top-k, top-p, an inverse-CDF draw), the
-`SamplingState` carried by `lax.while_loop`, the `Rollout` handed to the trainer, and
-`generate`. Not here: the model and its KV cache (`models/qwen.py`), scoring (`rewards/`).
+`Rollout` handed to the trainer, `generate` (which runs `engine.generate`, the rollout engine:
+continuous batching over a paged cache) and `generate_static`, the static sampler
+(`rollout.engine=static`, the engine's baseline) with its `SamplingState` carried by
+`lax.while_loop`. Not here: the model and its KV cache (`models/qwen.py`), the engine
+(`engine.py`), scoring (`rewards/`).
 
+The static sampler, how one call runs (all inside one jitted function, compiled once per
+bucket):
 How one call runs (all inside one jitted function, compiled once per bucket):
   1. Prompts are left-padded to a bucket length Tp (a power of two >= 16, then multiples
      of 512), so only a few shapes compile; `max_new_tokens` (R) is static too.
@@ -19,7 +24,7 @@ How one call runs (all inside one jitted function, compiled once per bucket):
      shapes) but their outputs are replaced by `pad_id` and masked.
 Decode layout with a mesh: rows (P*G) are split over the mesh's `data` and `fsdp` axes;
 parameters keep the sharding they were loaded with (tensor-parallel weights stay split).
-An FSDP-sharded model is all-gathered by XLA each step, so reshard it for decoding first.
+An FSDP-sharded model is all-gathered by XLA each step: hand it `engine.decode_copy` weights.
 
 Log-probs: `Rollout.logprobs` is log_softmax(logits) of the sampled token, the model's own
 distribution at temperature 1 without top-k/top-p, i.e. what the trainer recomputes as
