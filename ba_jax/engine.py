@@ -56,18 +56,22 @@ from ba_jax.models import qwen
 
 @struct.dataclass
 class EngineState:
-    """Carry of the engine's decode loop; S slots, B = P*G samples, NP pages, W pages/slot."""
+    """Carry of one engine's loop: S slots, B rows, P prompts, NP pages of `page_size`
+    tokens; a sample holds at most W pages, a prompt Wq (its bucket's)."""
 
     step: jax.Array  # int32 []: loop iterations so far
-    next_i: jax.Array  # int32 []: position in the admission order of the next pending sample
     sid_S: jax.Array  # int32 [S]: row (of this engine's B) held by the slot, -1 when free
     t_S: jax.Array  # int32 [S]: index of the token the slot samples next
     tok_S: jax.Array  # int32 [S]: the slot's last sampled token (decoded next)
-    pages_SW: jax.Array  # int32 [S, W]: the slot's pages in order; NP where none
+    pages_SW: jax.Array  # int32 [S, W]: the slot's own pages in order; NP where none
     owed_S: jax.Array  # int32 [S]: pages promised to the slot and not yet taken
     free_N: jax.Array  # int32 [NP]: stack of free page ids, free_N[:top] are free
     top: jax.Array  # int32 []
     promised: jax.Array  # int32 []: sum of owed_S
+    pages_PQ: jax.Array  # int32 [P, Wq]: the prompt's pages (its keys/values); NP where none
+    ready_P: jax.Array  # bool [P]: the prompt has been prefilled
+    left_P: jax.Array  # int32 [P]: the prompt's rows not yet finished (its pages go at 0)
+    taken_B: jax.Array  # bool [B]: the row has had its slot, or needed none
     pool: qwen.KVCache  # [L, NP, page, K, H]
     tokens_BR: jax.Array
     logp_BR: jax.Array
@@ -76,7 +80,7 @@ class EngineState:
     done_B: jax.Array  # bool: the sample emitted an EOS id
     busy: jax.Array  # int32 []: slot-steps that produced a token
     peak_pages: jax.Array  # int32 []: most pages held at once
-    live_at_peak: jax.Array  # int32 []: decoded tokens the slots held at that step
+    live_at_peak: jax.Array  # int32 []: tokens (prompts' and decoded) in them at that step
 
 
 def pages_for(budget: int, page_size: int) -> int:
@@ -84,85 +88,164 @@ def pages_for(budget: int, page_size: int) -> int:
     return -(-(max(int(budget), 1) - 1) // page_size)
 
 
+def prompt_pages(prompt_len: int, page_size: int) -> int:
+    """Pages a prompt of the bucket `prompt_len` fills (padding slots included, masked)."""
+    return -(-int(prompt_len) // page_size)
+
+
 def _sample_keys(key, sid, t):
     return jax.vmap(lambda s, u: jax.random.fold_in(jax.random.fold_in(key, s), u))(sid, t)
 
 
+def _pop(free_N, top, want_X):
+    """Pages for the True entries of `want_X`, off the top of the free stack (NP elsewhere)."""
+    NP = free_N.shape[0]
+    rank_X = jnp.cumsum(want_X) - 1
+    page_X = jnp.where(want_X, free_N[jnp.clip(top - 1 - rank_X, 0, NP - 1)], NP)
+    return page_X, top - jnp.sum(want_X)
+
+
+def _push(free_N, top, page_X, give_X):
+    """The pages of the True entries of `give_X` back onto the free stack."""
+    NP = free_N.shape[0]
+    rank_X = jnp.cumsum(give_X) - 1
+    free_N = free_N.at[jnp.where(give_X, top + rank_X, NP)].set(page_X, mode="drop")
+    return free_N, top + jnp.sum(give_X)
+
+
 def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, *,
                   max_new_tokens: int, num_slots: int, page_size: int, num_pages: int,
-                  config: sampler.SamplingConfig, eos_E, pad_id) -> dict[str, jax.Array]:
+                  rows_per_prompt: int, config: sampler.SamplingConfig, eos_E,
+                  pad_id) -> dict[str, jax.Array]:
     """Traceable body of one engine (one device's share under a mesh) -> dict of [B, R] arrays
     and the loop's counters (`steps`, `busy_slot_steps`, `peak_pages`, ...).
 
-    Row b samples from prompt `row_prompt_B[b]` of the P left-padded prompts, with the keys
-    of sample id `sid_B[b]` (its row in the whole call) and at most `budget_B[b]` tokens."""
+    Row b samples from prompt `row_prompt_B[b]` (nondecreasing; a prompt has at most
+    `rows_per_prompt` rows) of the P left-padded prompts, with the keys of sample id
+    `sid_B[b]` (its row in the whole call; < 0: a padding row, never sampled) and at most
+    `budget_B[b]` tokens. Each loop step first prefills the next prompt a pending row needs
+    (if the pool can hold its pages and that row's budget), writing its keys/values into
+    pages its rows share and drawing their first tokens; then free slots take pending rows
+    of prefilled prompts; then every busy slot decodes one token."""
     (P, Tp), R = prompt_PT.shape, max_new_tokens
-    B, S, ps, NP = row_prompt_B.shape[0], num_slots, page_size, num_pages
-    W = max(pages_for(R, ps), 1)
+    B, S, ps, NP, Gw = row_prompt_B.shape[0], num_slots, page_size, num_pages, rows_per_prompt
+    W, Wq = max(pages_for(R, ps), 1), prompt_pages(Tp, ps)
     mc = model.config
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
     positions_PT = jnp.maximum(jnp.cumsum(pmask_PT, 1) - 1, 0)
-    logits_P1V, prompt = model(prompt_PT, positions_PT, pmask_PT,
-                               logits_slice=slice(Tp - 1, None), return_kv=True)
+    pvalid_PX = jnp.pad(pmask_PT.astype(bool), ((0, 0), (0, Wq * ps - Tp)))
     len_P = jnp.sum(pmask_PT, 1)
-    tok0, logp0, slogp0 = sampler.sample_logits(
-        logits_P1V[row_prompt_B, 0], _sample_keys(key, sid_B, jnp.zeros_like(sid_B)), config)
-    eos0 = jnp.any(tok0[:, None] == eos_E[None, :], -1)
-    first = lambda x: jnp.zeros((B, R), x.dtype).at[:, 0].set(x)  # noqa: E731
-    # admission order: samples that go on, longest budget first (stable), then the finished
-    order_B = jnp.argsort(jnp.where(eos0 | (budget_B <= 1), 1, -budget_B), stable=True)
-    n_need = jnp.sum(~eos0 & (budget_B > 1))
+    real_B = sid_B >= 0
+    # admission order: longest budget first (stable): the long samples start early, the
+    # tail is short
+    order_B = jnp.argsort(-budget_B, stable=True)
     need_B = (jnp.maximum(budget_B, 1) - 1 + ps - 1) // ps
     shape = (mc.num_layers, NP, ps, mc.num_kv_heads, mc.head_dim)
     st = EngineState(
-        step=jnp.int32(0), next_i=jnp.int32(0), sid_S=jnp.full((S,), -1, jnp.int32),
+        step=jnp.int32(0), sid_S=jnp.full((S,), -1, jnp.int32),
         t_S=jnp.zeros((S,), jnp.int32), tok_S=jnp.zeros((S,), jnp.int32),
         pages_SW=jnp.full((S, W), NP, jnp.int32), owed_S=jnp.zeros((S,), jnp.int32),
         free_N=jnp.arange(NP, dtype=jnp.int32)[::-1], top=jnp.int32(NP), promised=jnp.int32(0),
+        pages_PQ=jnp.full((P, Wq), NP, jnp.int32), ready_P=jnp.zeros((P,), bool),
+        left_P=jnp.zeros((P,), jnp.int32).at[row_prompt_B].add(real_B.astype(jnp.int32)),
+        taken_B=~real_B,
         pool=qwen.KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)),
-        tokens_BR=jnp.full((B, R), pad_id, jnp.int32).at[:, 0].set(tok0),
-        logp_BR=first(logp0), sampling_logp_BR=first(slogp0),
-        mask_BR=jnp.zeros((B, R), bool).at[:, 0].set(True), done_B=eos0,
-        busy=jnp.int32(0), peak_pages=jnp.int32(0), live_at_peak=jnp.int32(0))
+        tokens_BR=jnp.full((B, R), pad_id, jnp.int32), logp_BR=jnp.zeros((B, R), jnp.float32),
+        sampling_logp_BR=jnp.zeros((B, R), jnp.float32), mask_BR=jnp.zeros((B, R), bool),
+        done_B=jnp.zeros((B,), bool), busy=jnp.int32(0), peak_pages=jnp.int32(0),
+        live_at_peak=jnp.int32(0))
+
+    def release_prompts(st: EngineState) -> EngineState:
+        """Prompts whose rows have all finished give their pages back."""
+        gone_P = st.ready_P & (st.left_P == 0)
+        give_PQ = gone_P[:, None] & (st.pages_PQ < NP)
+        free_N, top = _push(st.free_N, st.top, st.pages_PQ.reshape(-1), give_PQ.reshape(-1))
+        return st.replace(free_N=free_N, top=top,
+                          pages_PQ=jnp.where(gone_P[:, None], NP, st.pages_PQ))
+
+    def prefill(st: EngineState, p) -> EngineState:
+        """Prompt p: its keys/values into Wq fresh pages, its rows' first tokens."""
+        row = lambda x: lax.dynamic_index_in_dim(x, p, 0)  # noqa: E731
+        logits_11V, kv = model(row(prompt_PT), row(positions_PT), row(pmask_PT),
+                               logits_slice=slice(Tp - 1, None), return_kv=True)
+        page_Q, top = _pop(st.free_N, st.top, jnp.ones((Wq,), bool))
+
+        def put(buf, new_L1TKH):
+            new = jnp.pad(new_L1TKH[:, 0], ((0, 0), (0, Wq * ps - Tp), (0, 0), (0, 0)))
+            return buf.at[:, page_Q].set(new.reshape(buf.shape[0], Wq, ps, *buf.shape[3:])
+                                         .astype(buf.dtype))
+
+        pool = qwen.KVCache(put(st.pool.k_LBSKH, kv.k_LBSKH), put(st.pool.v_LBSKH, kv.v_LBSKH))
+        # its rows are contiguous: at most Gw from the first
+        idx_G = jnp.searchsorted(row_prompt_B, p) + jnp.arange(Gw)
+        cl_G = jnp.clip(idx_G, 0, B - 1)
+        in_G = (idx_G < B) & (row_prompt_B[cl_G] == p) & real_B[cl_G]
+        tok_G, logp_G, slogp_G = sampler.sample_logits(
+            jnp.broadcast_to(logits_11V[:, 0], (Gw, logits_11V.shape[-1])),
+            _sample_keys(key, sid_B[cl_G], jnp.zeros((Gw,), jnp.int32)), config)
+        rows_G = jnp.where(in_G, idx_G, B)  # B: dropped
+        at0 = lambda buf, v: buf.at[rows_G, 0].set(v.astype(buf.dtype), mode="drop")  # noqa: E731
+        eos_G = jnp.any(tok_G[:, None] == eos_E[None, :], -1)
+        end_G = in_G & (eos_G | (budget_B[cl_G] <= 1))  # finished with their first token
+        st = st.replace(
+            top=top, pool=pool, pages_PQ=st.pages_PQ.at[p].set(page_Q),
+            ready_P=st.ready_P.at[p].set(True), left_P=st.left_P.at[p].add(-jnp.sum(end_G)),
+            taken_B=st.taken_B.at[jnp.where(end_G, idx_G, B)].set(True, mode="drop"),
+            tokens_BR=at0(st.tokens_BR, tok_G), logp_BR=at0(st.logp_BR, logp_G),
+            sampling_logp_BR=at0(st.sampling_logp_BR, slogp_G),
+            mask_BR=at0(st.mask_BR, in_G), done_B=st.done_B.at[rows_G].set(eos_G, mode="drop"))
+        return release_prompts(st)
 
     def cond(st: EngineState):
-        return jnp.any(st.sid_S >= 0) | (st.next_i < n_need)
+        return jnp.any(st.sid_S >= 0) | jnp.any(~st.taken_B)
 
     def body(st: EngineState) -> EngineState:
-        # 1. admission: free slots, in slot order, take the next samples whose budgets the
-        #    unpromised pages cover (a prefix of the order: the needs' running sum is monotone)
+        # 1. prefill: the prompt of the first pending row (in admission order) whose prompt
+        #    is not ready, if the unpromised pages hold the prompt and that row's budget (so
+        #    after any prefill one more sample can always start: no deadlock)
+        pend_O = ~st.taken_B[order_B]
+        prompt_O = row_prompt_B[order_B]
+        cold_O = pend_O & ~st.ready_P[prompt_O]
+        first = jnp.argmax(cold_O)
+        go = jnp.any(cold_O) & (st.top - st.promised >= Wq + need_B[order_B[first]])
+        st = lax.cond(go, prefill, lambda st, p: st, st, prompt_O[first])
+        # 2. admission: free slots, in slot order, take the next pending rows of ready
+        #    prompts whose budgets the unpromised pages cover (a prefix of those rows)
+        cand_O = ~st.taken_B[order_B] & st.ready_P[prompt_O]
         free_S = st.sid_S < 0
-        rank_S = jnp.cumsum(free_S) - 1
-        cand_i = st.next_i + rank_S
-        cand_S = order_B[jnp.clip(cand_i, 0, B - 1)]
-        ok_S = free_S & (cand_i < n_need)
-        cum_S = jnp.cumsum(jnp.where(ok_S, need_B[cand_S], 0))
-        admit_S = ok_S & (cum_S <= st.top - st.promised)
-        n_admit = jnp.sum(admit_S)
-        sid_S = jnp.where(admit_S, cand_S, st.sid_S)
+        take_O = cand_O & (jnp.cumsum(cand_O) <= jnp.sum(free_S))
+        take_O &= jnp.cumsum(jnp.where(take_O, need_B[order_B], 0)) <= st.top - st.promised
+        row_K = jnp.full((S,), B, jnp.int32).at[
+            jnp.where(take_O, jnp.cumsum(take_O) - 1, S)].set(order_B, mode="drop")
+        frank_S = jnp.cumsum(free_S) - 1
+        new_S = jnp.where(free_S, row_K[jnp.clip(frank_S, 0, S - 1)], B)
+        admit_S = new_S < B
+        cand_S = jnp.minimum(new_S, B - 1)
+        sid_S = jnp.where(admit_S, new_S, st.sid_S)
         t_S = jnp.where(admit_S, 1, st.t_S)
-        tok_S = jnp.where(admit_S, tok0[cand_S], st.tok_S)
+        tok_S = jnp.where(admit_S, st.tokens_BR[cand_S, 0], st.tok_S)
         owed_S = jnp.where(admit_S, need_B[cand_S], st.owed_S)
         promised = st.promised + jnp.sum(jnp.where(admit_S, need_B[cand_S], 0))
+        taken_B = st.taken_B.at[new_S].set(True, mode="drop")
         live_S = sid_S >= 0
-        # 2. a page for slots whose decode position d = t - 1 starts one
+        # 3. a page for slots whose decode position d = t - 1 starts one
         d_S = t_S - 1
         want_S = live_S & (d_S % ps == 0)
-        wrank_S = jnp.cumsum(want_S) - 1
-        page_S = jnp.where(want_S, st.free_N[jnp.clip(st.top - 1 - wrank_S, 0, NP - 1)], NP)
-        n_pop = jnp.sum(want_S)
+        page_S, top = _pop(st.free_N, st.top, want_S)
         slot_ix = jnp.arange(S)
         pages_SW = st.pages_SW.at[slot_ix, jnp.where(want_S, d_S // ps, W)].set(page_S,
                                                                                    mode="drop")
-        top, promised = st.top - n_pop, promised - n_pop
+        promised = promised - jnp.sum(want_S)
         owed_S = owed_S - want_S.astype(jnp.int32)
-        # 3. decode the slots' last tokens and sample the next ones
+        # 4. decode the slots' last tokens against their prompt's pages and their own, and
+        #    sample the next ones
         p_S = jnp.where(live_S, row_prompt_B[jnp.maximum(sid_S, 0)], 0)
+        table_SX = jnp.concatenate([st.pages_PQ[p_S], pages_SW], 1)
         dec_valid_SX = live_S[:, None] & (jnp.arange(W * ps)[None] < d_S[:, None])
-        valid_SX = jnp.concatenate([pmask_PT[p_S].astype(bool) & live_S[:, None], dec_valid_SX], 1)
+        valid_SX = jnp.concatenate([pvalid_PX[p_S] & live_S[:, None], dec_valid_SX], 1)
         logits_SV, k_LSKH, v_LSKH = model.decode_step_paged(
             jnp.where(live_S, tok_S, pad_id), jnp.where(live_S, len_P[p_S] + d_S, 0),
-            st.pool, jnp.where(pages_SW < NP, pages_SW, 0), prompt, p_S, valid_SX)
+            st.pool, jnp.where(table_SX < NP, table_SX, 0), valid_SX)
         w_page_S = jnp.where(live_S, jnp.take_along_axis(
             pages_SW, jnp.clip(d_S // ps, 0, W - 1)[:, None], 1)[:, 0], NP)
         off_S = jnp.where(live_S, d_S % ps, 0)
@@ -174,27 +257,30 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         row_S = jnp.where(live_S, sid_S, B)  # B: dropped
         at = lambda buf, v: buf.at[row_S, t_S].set(v.astype(buf.dtype), mode="drop")  # noqa: E731
         eos_S = jnp.any(token_S[:, None] == eos_E[None, :], -1)
-        # 4. samples that end here free their slot, their pages and their unused promise
+        # 5. samples that end here free their slot, their pages and their unused promise;
+        #    a prompt whose rows have all ended frees its pages
         end_S = live_S & (eos_S | (t_S + 1 >= budget_B[jnp.maximum(sid_S, 0)]))
         give_SW = end_S[:, None] & (pages_SW < NP)
-        grank = jnp.cumsum(give_SW.reshape(-1)) - 1
-        free_N = st.free_N.at[jnp.where(give_SW.reshape(-1), top + grank, NP)].set(
-            pages_SW.reshape(-1), mode="drop")
+        free_N, top_after = _push(st.free_N, top, pages_SW.reshape(-1), give_SW.reshape(-1))
         held = NP - top  # pages held this step, before the ends give theirs back
-        live = jnp.sum(jnp.where(live_S, d_S + 1, 0))  # decoded tokens in them
+        held_P = st.ready_P & (st.left_P > 0)
+        live = (jnp.sum(jnp.where(live_S, d_S + 1, 0))  # tokens in them: decoded and prompts'
+                + jnp.sum(jnp.where(held_P, len_P, 0)))
         new_peak = held > st.peak_pages
-        return EngineState(
-            step=st.step + 1, next_i=st.next_i + n_admit,
-            sid_S=jnp.where(end_S, -1, sid_S), t_S=jnp.where(live_S, t_S + 1, t_S),
-            tok_S=jnp.where(live_S, token_S, tok_S),
+        st = st.replace(
+            step=st.step + 1, sid_S=jnp.where(end_S, -1, sid_S),
+            t_S=jnp.where(live_S, t_S + 1, t_S), tok_S=jnp.where(live_S, token_S, tok_S),
             pages_SW=jnp.where(end_S[:, None], NP, pages_SW),
-            owed_S=jnp.where(end_S, 0, owed_S), free_N=free_N,
-            top=top + jnp.sum(give_SW), promised=promised - jnp.sum(jnp.where(end_S, owed_S, 0)),
-            pool=pool, tokens_BR=at(st.tokens_BR, jnp.where(live_S, token_S, pad_id)),
+            owed_S=jnp.where(end_S, 0, owed_S), free_N=free_N, top=top_after,
+            promised=promised - jnp.sum(jnp.where(end_S, owed_S, 0)),
+            left_P=st.left_P.at[jnp.where(end_S, p_S, P)].add(-1, mode="drop"),
+            taken_B=taken_B, pool=pool,
+            tokens_BR=at(st.tokens_BR, jnp.where(live_S, token_S, pad_id)),
             logp_BR=at(st.logp_BR, logp_S), sampling_logp_BR=at(st.sampling_logp_BR, slogp_S),
             mask_BR=at(st.mask_BR, live_S), done_B=st.done_B.at[row_S].set(eos_S, mode="drop"),
             busy=st.busy + jnp.sum(live_S), peak_pages=jnp.maximum(st.peak_pages, held),
             live_at_peak=jnp.where(new_peak, live, st.live_at_peak))
+        return release_prompts(st)
 
     st = lax.while_loop(cond, body, st)
     return dict(tokens=st.tokens_BR, logprobs=st.logp_BR, sampling_logprobs=st.sampling_logp_BR,
@@ -207,10 +293,11 @@ _JITTED: dict[tuple, Any] = {}
 TRACE_COUNTS: Counter = Counter()  # traces per compile key; a test checks calls do not retrace
 
 
-def engine_fn(graphdef, P, Tp, B, R, S, ps, NP, config, mesh):
+def engine_fn(graphdef, P, Tp, B, R, S, ps, NP, G, config, mesh):
     """The jitted engine call: run(state, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B,
     budget_B, key, eos_E, pad_id) -> `engine_arrays`' dict, counters as [D] arrays (one per
-    row device); one per (model structure, shapes, settings, mesh).
+    row device); one per (model structure, shapes, settings, mesh). G: the most rows one
+    prompt has on a device.
 
     With a mesh, every argument but the state, key, EOS ids and pad id is split over the
     mesh's row axes (`sharding.row_axes`): each of the D row devices runs its own engine on
@@ -218,15 +305,15 @@ def engine_fn(graphdef, P, Tp, B, R, S, ps, NP, config, mesh):
     `shard_map` manual over those axes only: no collective inside the loop, and `tensor`
     (if the mesh has one) still splits heads and the MLP by XLA's partitioner. Weights are
     taken as given: hand over a decode copy (`decode_copy`) so none is gathered per call."""
-    k = (graphdef, P, Tp, B, R, S, ps, NP, config, mesh)
+    k = (graphdef, P, Tp, B, R, S, ps, NP, G, config, mesh)
     if k not in _JITTED:
         def local(state, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, eos_E,
                   pad_id):
             TRACE_COUNTS[k[1:-1]] += 1  # runs at trace time only
             out = engine_arrays(nnx.merge(graphdef, state), prompt_PT, prompt_mask_PT,
                                 row_prompt_B, sid_B, budget_B, key, max_new_tokens=R,
-                                num_slots=S, page_size=ps, num_pages=NP, config=config,
-                                eos_E=eos_E, pad_id=pad_id)
+                                num_slots=S, page_size=ps, num_pages=NP,
+                                rows_per_prompt=G, config=config, eos_E=eos_E, pad_id=pad_id)
             return {n: v if v.ndim else v[None] for n, v in out.items()}
 
         axes = () if mesh is None else sharding.row_axes(mesh)
@@ -343,29 +430,35 @@ class CallShape:
     slots_per_device: int
     page_size: int
     pages_per_device: int
+    rows_per_prompt: int  # the most rows one prompt has on one device
 
 
 def call_shape(num_prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int, *,
                num_slots: int = 0, page_size: int = 16, num_pages: int = 0,
                num_devices: int = 1) -> CallShape:
-    """The shape of a call of P prompts x G samples on D row devices: each device gets
-    ceil(num_slots / D) slots (0: a quarter of its rows) and ceil(num_pages / D) pages (0:
-    every slot's largest budget at once). ValueError before anything runs for settings
-    that cannot run: slots or page size < 1, a device pool too small for one sequence of
-    the largest budget."""
+    """The shape of a call of P prompts x G samples on D row devices, prompts in the bucket
+    `prompt_len`: each device gets ceil(num_slots / D) slots (0: a quarter of its rows) and
+    ceil(num_pages / D) pages (0: every slot's largest budget at once, plus one prompt's
+    pages per slot, at most its prompts'). ValueError before anything runs for settings
+    that cannot run: slots or page size < 1, a device pool too small for one prompt and
+    one sequence of the largest budget."""
     S, ps = int(num_slots), int(page_size)
     if S < 0 or ps < 1:
         raise ValueError(f"num_slots={num_slots} must be >= 0 and page_size={page_size} >= 1")
     lay = row_layout(num_prompts, num_samples, num_devices)
     D, R = num_devices, int(max_new_tokens)
     Sd = -(-S // D) if S else default_slots(lay.rows_per_device)
-    largest = pages_for(R, ps)
-    NPd = -(-int(num_pages) // D) if num_pages else max(Sd * largest, 1)
-    if NPd < largest:
+    largest, Wq = pages_for(R, ps), prompt_pages(prompt_len, ps)
+    Pd = lay.prompts_per_device
+    NPd = (-(-int(num_pages) // D) if num_pages
+           else Sd * largest + min(Sd, Pd) * Wq)
+    if NPd < largest + Wq:
         raise ValueError(f"num_pages={num_pages} of {ps} tokens over {D} row device(s) gives "
                          f"each {NPd}: cannot hold one sequence of the largest budget {R} "
-                         f"({largest} pages)")
-    return CallShape(lay.prompts_per_device, prompt_len, lay.rows_per_device, R, Sd, ps, NPd)
+                         f"({largest} pages) beside its prompt ({Wq} pages of a "
+                         f"{prompt_len}-token bucket)")
+    return CallShape(Pd, prompt_len, lay.rows_per_device, R, Sd, ps, NPd,
+                     min(num_samples, lay.rows_per_device))
 
 
 def _stats(out: dict, cs: CallShape, D: int) -> EngineStats:
@@ -438,7 +531,7 @@ def run_call(model, prompt_PT: np.ndarray, prompt_mask_PT: np.ndarray, budget_B:
     graphdef, state = nnx.split(model)
     run = engine_fn(graphdef, cs.prompts_per_device, cs.prompt_len, cs.rows_per_device,
                     cs.max_new_tokens, cs.slots_per_device, cs.page_size, cs.pages_per_device,
-                    config, mesh)
+                    cs.rows_per_prompt, config, mesh)
     out = jax.device_get(run(state, prompt_PT[lay.prompt_index],
                              prompt_mask_PT[lay.prompt_index], lay.row_prompt, sid_Bp, budget_Bp,
                              key, eos_E, np.int32(pad_id)))

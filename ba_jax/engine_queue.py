@@ -65,8 +65,7 @@ class Engine:
         self.eos, self.pad, self.config, _, _ = sampler.prepare_request(
             [[0]], eos_ids, pad_id, temperature, top_k, top_p)
         self.options = dict(num_slots=num_slots, page_size=page_size, num_pages=num_pages)
-        engine.call_shape(self.Pc, 1, self.G, self.R, num_devices=engine.row_devices(mesh),
-                          **self.options)  # raises now for a pool too small, bad slots
+        self.check(16)  # raises now for a pool too small for the smallest bucket, bad slots
         self.queue: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self.requests: dict[int, tuple[list[int], int]] = {}
         self.calls = 0
@@ -78,10 +77,16 @@ class Engine:
         if not prompt or not 1 <= budget <= self.R:
             raise ValueError(f"a request needs >= 1 prompt token and 1 <= max_new_tokens <= "
                              f"{self.R}; got {len(prompt)} tokens, budget {budget}")
+        self.check(sampler.prompt_bucket(len(prompt)))  # before anything of it is queued
         rid = len(self.requests)
         self.requests[rid] = ([int(t) for t in prompt], budget)
         self.queue[sampler.prompt_bucket(len(prompt))].append(rid)
         return rid
+
+    def check(self, prompt_len: int) -> None:
+        """ValueError unless a call of prompts in the bucket `prompt_len` can run."""
+        engine.call_shape(self.Pc, prompt_len, self.G, self.R,
+                          num_devices=engine.row_devices(self.mesh), **self.options)
 
     @property
     def pending(self) -> int:

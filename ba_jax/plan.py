@@ -121,8 +121,8 @@ def _per_dev(rows: int, dp: int) -> int:
 #   head_chunk    b c V/t    one chunk of float32 logits, probabilities and their cotangent
 # of the sampler call (B rows and P prompts per device, R new tokens, Tp prompt bucket):
 #   kv_cache      2 L K H (B R + P Tp)   the decode cache and the shared prompt cache; the
-#                                        engine's: its page pool and prompt caches,
-#                                        2 L K H (pages x page_size + P Tp)
+#                                        engine's: its page pool (prompts' pages too),
+#                                        2 L K H pages x page_size
 #   prefill       P Tp (D + F)           one layer's prefill working set
 #   decode_vocab  B V/t                  one decode step's logits and sampling arrays (the
 #                                        engine's: its S slots)
@@ -304,20 +304,31 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
 
 def slots_that_fit(p: dict, samp: dict) -> dict[str, int]:
     """Per named device, the largest engine `rollout.num_slots` (per call, all row devices)
-    whose sampling peak fits beside the train state, with the pool at every slot's full
-    budget (`kv_pages=0`); empty for the static sampler or a fixed pool. The peak is affine
-    in the slots: each adds its pages to the pool and one row to the decode-step arrays."""
+    whose sampling peak fits beside the train state, with the default pool (every slot's
+    full budget and a prompt's pages per slot); empty for the static sampler or a fixed
+    pool. The peak grows with the slots: a binary search over slots per device."""
     s = p["shapes"]
     if "slots_per_device" not in s or s.get("fixed_pool"):
         return {}
-    S = s["slots_per_device"]
-    one = dict(p, shapes=dict(s, kv_tokens=s["kv_tokens"] + s["slot_tokens"],
-                              decode_rows=s["decode_rows"] + 1))
-    per_slot = activation_estimate(one, "sample")["total"] - samp["total"]
-    fixed = p["bytes"]["sample_peak"] - S * per_slot
+    rest = p["bytes"]["sample_peak"] - samp["total"]  # train state and sampler weights
+
+    def peak(slots: int) -> int:
+        pages = slots * s["slot_pages"] + min(slots, s["sample_prompts_per_device"]) * s[
+            "prompt_pages"]
+        q = dict(p, shapes=dict(s, kv_tokens=pages * s["page_size"], decode_rows=slots))
+        return rest + activation_estimate(q, "sample")["total"]
+
     dp = p["mesh"]["data"] * p["mesh"]["fsdp"]
-    return {name: max(int((p["usable_fraction"] * gib * GIB - fixed) // per_slot), 0) * dp
-            for name, gib in DEVICES.items()}
+    out = {}
+    for name, gib in DEVICES.items():
+        cap, lo, hi = p["usable_fraction"] * gib * GIB, 0, 1
+        while peak(hi) <= cap:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # peak(lo) fits (or lo = 0), peak(hi) does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak(mid) <= cap else (lo, mid)
+        out[name] = lo * dp
+    return out
 
 
 def sample_shape(cfg: Any, row_devices: int) -> dict:
@@ -336,10 +347,11 @@ def sample_shape(cfg: Any, row_devices: int) -> dict:
                            num_pages=r.kv_pages, num_devices=row_devices)
     return dict(sample_rows_per_device=cs.rows_per_device,
                 sample_prompts_per_device=cs.prompts_per_device,
-                kv_tokens=cs.pages_per_device * cs.page_size + cs.prompts_per_device * Tp,
+                kv_tokens=cs.pages_per_device * cs.page_size,  # prompts are in the pool
                 decode_rows=cs.slots_per_device, slots_per_device=cs.slots_per_device,
                 pages_per_device=cs.pages_per_device, fixed_pool=bool(r.kv_pages),
-                slot_tokens=engine.pages_for(R, cs.page_size) * cs.page_size)
+                page_size=cs.page_size, slot_pages=engine.pages_for(R, cs.page_size),
+                prompt_pages=engine.prompt_pages(Tp, cs.page_size))
 
 
 def _sds(x, sh):
@@ -444,8 +456,8 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
         cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
                                num_pages=r.kv_pages, num_devices=D)
         run = engine.engine_fn(graphdef, cs.prompts_per_device, Tp, cs.rows_per_device, R,
-                               cs.slots_per_device, cs.page_size, cs.pages_per_device, config,
-                               mesh)
+                               cs.slots_per_device, cs.page_size, cs.pages_per_device,
+                               cs.rows_per_prompt, config, mesh)
         rows = NamedSharding(mesh, PartitionSpec(sharding.row_axes(mesh)))
         Pn, Bn = D * cs.prompts_per_device, D * cs.rows_per_device
         args = ((copy,) + tuple(jax.ShapeDtypeStruct(s, i32, sharding=rows)

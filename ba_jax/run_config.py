@@ -151,12 +151,18 @@ def validate(cfg: Any, num_devices: int) -> None:
             "(0: a quarter of each row device's rows)")
     require(r.page_size >= 1, f"config.rollout.page_size={r.page_size} must be >= 1")
     if r.engine == "ba_jax" and r.kv_pages:
-        one, D = engine.pages_for(r.max_new_tokens, r.page_size), sampling_devices(cfg, num_devices)
+        from ba_jax import sampler
+
+        Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
+        one = engine.pages_for(r.max_new_tokens, r.page_size) + engine.prompt_pages(
+            Tp, r.page_size)
+        D = sampling_devices(cfg, num_devices)
         require(-(-r.kv_pages // D) >= one,
                 f"config.rollout.kv_pages={r.kv_pages} cannot hold one sequence of "
-                f"config.rollout.max_new_tokens={r.max_new_tokens} tokens ({one} pages of "
-                f"config.rollout.page_size={r.page_size}) on each of the {D} row devices it is "
-                f"split over: give at least {one * D}, or 0 for every slot's full budget")
+                f"config.rollout.max_new_tokens={r.max_new_tokens} tokens beside its prompt "
+                f"({one} pages of config.rollout.page_size={r.page_size}, the prompt padded to "
+                f"{Tp}) on each of the {D} row devices it is split over: give at least "
+                f"{one * D}, or 0 for every slot's full budget")
     require(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
             f"config.rollout.sample_shards={r.sample_shards} must divide "
             f"config.rollout.prompts_per_step={r.prompts_per_step}")

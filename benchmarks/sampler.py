@@ -111,8 +111,9 @@ def heavy_setup(model_dir: str, precision: str, which: str):
             dt = time.perf_counter() - t0
             assert (ro.lengths == budgets).all(), "a row missed its budget"
             info.update(useful_fraction=st.useful_fraction, slots=st.num_slots,
-                        kv_held=kv_bytes(P * TP + st.peak_pages * st.page_size, dtype),
-                        kv_live=kv_bytes(P * TP + st.live_at_peak, dtype))
+                        # the pool holds the prompts' pages too
+                        kv_held=kv_bytes(st.peak_pages * st.page_size, dtype),
+                        kv_live=kv_bytes(st.live_at_peak, dtype))
         else:
             ro = sampler.generate_static(model, prompts, max_new_tokens=HEAVY_CAP, **kw)
             dt = time.perf_counter() - t0

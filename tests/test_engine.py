@@ -54,13 +54,16 @@ def test_logprobs_equal_the_trainers_with_per_row_budgets(tmp_path_factory):
 
 
 def test_same_rollouts_whatever_the_slots_and_pages(tmp_path_factory):
-    """The key of token t of sample s is fold_in(fold_in(key, s), t): slot count, page size
-    and admission order do not change what is drawn; every page is free after the drain."""
+    """The key of token t of sample s is fold_in(fold_in(key, s), t): slot count, page size,
+    pool size and admission order do not change what is drawn; every page is free after the
+    drain (`engine.generate` raises otherwise)."""
     _, model = _tiny("qwen3", tmp_path_factory)
     kw = dict(num_samples=4, max_new_tokens=[12, 5, 9], temperature=1.0,
               key=jax.random.key(7), eos_ids=[2], return_stats=True)
-    runs = [engine.generate(model, PROMPTS, num_slots=s, page_size=p, **kw)
-            for s, p in ((12, 16), (2, 3))]
+    # the last pool holds one prompt (bucket 32: 11 pages of 3) and one sample (4 pages) at
+    # a time: prompts are prefilled inside the loop, one after the other, as pages free up
+    runs = [engine.generate(model, PROMPTS, num_slots=s, page_size=p, num_pages=n, **kw)
+            for s, p, n in ((12, 16, 0), (2, 3, 0), (3, 3, 15))]
     (a, sa), *rest = runs
     assert len(set(map(tuple, a.tokens.tolist()))) > 3  # the draws differ across rows
     for b, sb in rest:
@@ -71,6 +74,8 @@ def test_same_rollouts_whatever_the_slots_and_pages(tmp_path_factory):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         assert sb.steps >= sa.steps  # fewer slots: more steps, each busier
     assert runs[1][1].useful_fraction > runs[0][1].useful_fraction
+    tight = runs[2][1]
+    assert tight.peak_pages <= tight.num_pages == 15 and tight.steps > runs[1][1].steps
 
 
 def test_pool_too_small_and_bad_budgets_are_start_up_errors(tmp_path_factory):
@@ -198,7 +203,7 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel):
     cs = engine.call_shape(P, Tp, G, R, num_devices=8)
     run = engine.engine_fn(graphdef, cs.prompts_per_device, Tp, cs.rows_per_device, R,
                            cs.slots_per_device, cs.page_size, cs.pages_per_device,
-                           sampler.SamplingConfig(), mesh)
+                           cs.rows_per_prompt, sampler.SamplingConfig(), mesh)
     lay = engine.row_layout(P, G, 8)
     prompts = np.ones((len(lay.prompt_index), Tp), np.int32)
     rows = np.zeros(len(lay.row_prompt), np.int32)

@@ -544,27 +544,24 @@ class Qwen(nnx.Module):
         return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
 
     def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array,
-                          pool: KVCache, page_table_BW: jax.Array, prompt: KVCache,
-                          prompt_row_B: jax.Array, valid_BS: jax.Array):
+                          pool: KVCache, page_table_BW: jax.Array, valid_BS: jax.Array):
         """One new token per decode slot over a paged cache -> (logits_BV float32, k_LBKH,
         v_LBKH), the new keys/values for the caller to write into the pool.
 
-        `pool` holds pages [L, num_pages, page_size, K, H]; row b reads its prompt's dense
-        cache row `prompt.*[:, prompt_row_B[b]]` ([Tp] slots, shared by every row of that
-        prompt) followed by its own pages `page_table_BW[b]` (W pages), i.e. S = Tp + W *
-        page_size slots, of which `valid_BS` are attended, plus the token itself.
+        `pool` holds pages [L, num_pages, page_size, K, H]; row b reads the W pages
+        `page_table_BW[b]` in order (its prompt's pages, shared with the other rows of that
+        prompt, then its own), i.e. S = W * page_size slots, of which `valid_BS` are
+        attended, plus the token itself.
         """
         B, W = page_table_BW.shape
         valid_BS = valid_BS.astype(bool)
 
-        def rows(pages_nPKH, prompt_PTKH):
+        def rows(pages_nPKH):
             own = pages_nPKH[page_table_BW]  # [B, W, page, K, H]
-            own = own.reshape(B, W * own.shape[2], *own.shape[3:])
-            return jnp.concatenate([prompt_PTKH[prompt_row_B].astype(own.dtype), own], axis=1)
+            return own.reshape(B, W * own.shape[2], *own.shape[3:])
 
         def keys(xs_l):
-            kp, vp, pk, pv = xs_l
-            return rows(kp, pk), rows(vp, pv), valid_BS, None
+            kp, vp = xs_l
+            return rows(kp), rows(vp), valid_BS, None
 
-        return self._decode_scan(tokens_B, positions_B, keys,
-                                 (pool.k_LBSKH, pool.v_LBSKH, prompt.k_LBSKH, prompt.v_LBSKH))
+        return self._decode_scan(tokens_B, positions_B, keys, (pool.k_LBSKH, pool.v_LBSKH))
