@@ -8,18 +8,24 @@ sampling math (`sampler.sample_logits`), the model's paged decode step
 (`qwen.Qwen.decode_step_paged`), the kernel seam, the request queue (`engine_queue`).
 
 How one call runs, all inside one jitted function (one host round trip: the outputs come
-back when the call's last sample ends):
-  1. The P prompts are prefilled once; their dense caches [P, Tp] are shared by reference
-     by their G samples (every slot reads its prompt's row), and every sample's first token
-     is drawn from its prompt's last logits.
-  2. A fixed number of decode slots runs a `lax.while_loop`. Each step, every free slot
-     takes the next pending sample (longest budget first, so the tail is short), if the
+back when the call's last sample ends): a `lax.while_loop` over a fixed number of decode
+slots and one pool of pages. Each step,
+  1. prefill: the prompt of the first pending sample (in admission order: longest budget
+     first, so the tail is short) whose prompt is not ready is prefilled, if the unpromised
+     pages hold its Wq pages and that sample's budget (so one more sample can always start:
+     no deadlock); its keys/values go into pages that its G samples then read by reference,
+     and their first tokens are drawn from its last logits;
+  2. admission: every free slot takes the next pending sample of a ready prompt, if the
      pool can promise it the pages of its whole budget (so no admitted sample ever waits
-     for a page); each busy slot decodes its last token, writes its key/value into its
-     own page (a page is taken from the free stack when a sample crosses a page boundary),
-     and samples its next token; a sample that emits an EOS id or reaches its budget
-     frees its slot and its pages at once.
-  3. Outputs are written per sample, [P*G, R_max], rows of one prompt contiguous.
+     for a page);
+  3. decode: each busy slot decodes its last token against its prompt's pages and its own,
+     writes its key/value into its own page (taken from the free stack when a sample
+     crosses a page boundary) and samples its next token; a sample that emits an EOS id or
+     reaches its budget frees its slot and its pages at once, and a prompt whose samples
+     have all ended frees its pages.
+Outputs are written per sample, [P*G, R_max], rows of one prompt contiguous. Prefill runs one
+prompt per step inside the loop, interleaved with the decode of the busy slots; a long prompt
+is prefilled whole in its step (not cut into chunks).
 With a mesh, the call's rows are cut into D blocks over the (data, fsdp) devices
 (`row_layout`) and each device runs steps 1-3 on its own block, prompts, slots and pool
 (`engine_fn`: a shard_map manual over those axes; no collective inside the loop).
@@ -30,7 +36,7 @@ temperature-1 log-probs are the static sampler's (same model code, same `sample_
 the draws themselves differ from `sampler.generate_static`'s (its key is per step, shared
 by the rows).
 
-Attention reads the slot's prompt row plus its W = ceil((R_max - 1) / page) page slots,
+Attention reads the slot's Wq prompt pages plus its W = ceil((R_max - 1) / page) own pages,
 masked to the ones it holds (a gather-based pure-JAX paged attention; fixed shapes).
 """
 

@@ -304,7 +304,8 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
 
 def slots_that_fit(p: dict, samp: dict) -> dict[str, int]:
     """Per named device, the largest engine `rollout.num_slots` (per call, all row devices)
-    whose sampling peak fits beside the train state, with the default pool (every slot's
+    whose sampling peak fits beside the train state (0 where the train step does not fit),
+    with the default pool (every slot's
     full budget and a prompt's pages per slot); empty for the static sampler or a fixed
     pool. The peak grows with the slots: a binary search over slots per device."""
     s = p["shapes"]
@@ -322,6 +323,9 @@ def slots_that_fit(p: dict, samp: dict) -> dict[str, int]:
     out = {}
     for name, gib in DEVICES.items():
         cap, lo, hi = p["usable_fraction"] * gib * GIB, 0, 1
+        if p["bytes"]["train_peak"] > cap:  # the run does not fit whatever the sampler
+            out[name] = 0
+            continue
         while peak(hi) <= cap:
             lo, hi = hi, hi * 2
         while hi - lo > 1:  # peak(lo) fits (or lo = 0), peak(hi) does not
