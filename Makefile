@@ -26,5 +26,15 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
+# The vLLM rollout engine's own environment (.venv-vllm, scripts/vllm.lock) and its tests;
+# the engine process runs from .venv-vllm, the tests from .venv.
+.PHONY: vllm test-vllm
+
+vllm:
+	bash scripts/setup_vllm.sh
+
+test-vllm: $(STAMP) vllm
+	$(PY) -m pytest -q tests_vllm $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
