@@ -37,4 +37,4 @@ test-vllm: $(STAMP) vllm
 	$(PY) -m pytest -q tests_vllm $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-vllm runs .pytest_cache

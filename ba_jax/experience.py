@@ -53,7 +53,10 @@ def _round(policy, prompt_ids, truths, *, cfg, key, tokenizer, scorer, eos_ids, 
     kw = dict(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens, key=key,
               temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
               eos_ids=sorted(eos_ids), pad_id=tokenizer.pad_token_id, mesh=mesh)
-    if r.engine == "static":
+    if r.engine == "vllm":  # `policy` is the vllm_rollout.VllmEngine, weights synced
+        del kw["mesh"]
+        ro = policy.generate(prompt_ids, **kw)
+    elif r.engine == "static":
         ro = sampler.generate_static(policy, prompt_ids, **kw)
     else:  # the rollout engine: continuous batching over a paged cache
         ro = sampler.generate(policy, prompt_ids, num_slots=r.num_slots, page_size=r.page_size,
@@ -140,7 +143,9 @@ def collect(
 ) -> Experience:
     """Sample this process's `shards` of the step's P prompts, with dynamic sampling if on.
 
-    `next_prompts()` returns all P prompts of a round (the same on every process).
+    `policy`: the model to sample from (`rollout.engine` ba_jax or static), or the
+    `vllm_rollout.VllmEngine` holding its weights (vllm). `next_prompts()` returns all P
+    prompts of a round (the same on every process).
     """
     P, G, S = cfg.rollout.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.sample_shards
     Pg = P // S

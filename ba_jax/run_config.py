@@ -24,7 +24,7 @@ from ba_jax import aggregation, engine, grpo, sharding
 from ba_jax.models import attention, qwen
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-ROLLOUT_ENGINES = ("ba_jax", "static")  # config.rollout.engine
+ROLLOUT_ENGINES = ("ba_jax", "static", "vllm")  # config.rollout.engine
 
 
 class ConfigError(ValueError):
@@ -147,6 +147,8 @@ def validate(cfg: Any, num_devices: int) -> None:
         require(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
     require(r.engine in ROLLOUT_ENGINES,
             f"config.rollout.engine={r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
+    if r.engine == "vllm":
+        check_vllm(cfg)
     require(r.num_slots >= 0, f"config.rollout.num_slots={r.num_slots} must be >= 0 "
             "(0: a quarter of each row device's rows)")
     require(r.page_size >= 1, f"config.rollout.page_size={r.page_size} must be >= 1")
@@ -204,6 +206,24 @@ def validate(cfg: Any, num_devices: int) -> None:
             model_config(cfg)
         except ValueError as e:
             raise ConfigError(f"config.model: {e}") from e
+
+
+def check_vllm(cfg: Any) -> None:
+    """`rollout.engine=vllm`: its environment is there, its options are valid, one process."""
+    from ba_jax import vllm_rollout
+
+    r = cfg.rollout
+    require(r.vllm_logprobs in ("recompute", "engine"),
+            f"config.rollout.vllm_logprobs={r.vllm_logprobs!r}; valid: recompute, engine")
+    require(isinstance(r.vllm_enforce_eager, bool),
+            f"config.rollout.vllm_enforce_eager={r.vllm_enforce_eager!r} must be True or False")
+    python = os.path.abspath(r.vllm_python) if r.vllm_python else vllm_rollout.DEFAULT_PYTHON
+    require(os.path.isfile(python) and os.access(python, os.X_OK),
+            f"config.rollout.engine=vllm: {python} is not an executable Python: run `make vllm`"
+            " to build the vLLM environment, or set config.rollout.vllm_python")
+    require(jax.process_count() == 1,
+            "config.rollout.engine=vllm runs one engine beside one trainer process; with "
+            f"{jax.process_count()} processes use rollout.engine=ba_jax")
 
 
 def check_positions(cfg: Any, mc: qwen.ModelConfig) -> None:

@@ -103,8 +103,9 @@ def make_train_step(cfg, graphdef, tx: optax.GradientTransformation, state, mesh
 
 
 def make_reference_fn(cfg, graphdef, ref_params, mesh):
-    """jit of the reference policy's response log-probs on a mini-batch, micro-batched as
-    the train step is (`grpo.reference_logprobs`), rows over (data, fsdp)."""
+    """jit of response log-probs on a mini-batch under parameters laid out like `ref_params`
+    (the frozen KL reference, or the policy itself for old_logp), micro-batched as the train
+    step is (`grpo.reference_logprobs`), rows over (data, fsdp)."""
     row_sh = sharding.batch_sharding(mesh)
     fn = functools.partial(grpo.reference_logprobs, graphdef,
                            num_microbatches=cfg.grpo.num_microbatches)
@@ -115,6 +116,28 @@ def make_reference_fn(cfg, graphdef, ref_params, mesh):
 
     return jax.jit(ref, in_shardings=(jax.tree.map(lambda x: x.sharding, ref_params), row_sh),
                    out_shardings=row_sh)
+
+
+def _logp_diff(new_BR, old_BR, mask_BR):
+    """(sum of |new - old| over the mask, its max, the mask's count)."""
+    d_BR = jnp.where(mask_BR > 0, jnp.abs(new_BR - old_BR), 0.0)
+    return jnp.sum(d_BR), jnp.max(d_BR), jnp.sum(mask_BR)
+
+
+def _start_vllm(cfg, model_cfg):
+    """The vLLM engine process of `rollout.engine=vllm` (run_config.check_vllm has checked its
+    environment); a failed start is a ConfigError naming the cause."""
+    from ba_jax import sampler, vllm_rollout
+
+    r = cfg.rollout
+    try:
+        return vllm_rollout.VllmEngine(
+            model_cfg, dtype=cfg.model.dtype, python=r.vllm_python or None, seed=cfg.seed,
+            max_model_len=sampler.prompt_bucket(cfg.data.max_prompt_tokens) + r.max_new_tokens,
+            max_num_seqs=r.prompts_per_step // r.sample_shards * r.num_samples,
+            enforce_eager=r.vllm_enforce_eager)
+    except (ValueError, vllm_rollout.VllmEngineError) as e:
+        raise run_config.ConfigError(f"config.rollout.engine=vllm: {e}") from e
 
 
 def replicate_unsharded(tree, mesh):
@@ -261,6 +284,12 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     shards = list(range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc))
     sample_mesh = distributed.local_mesh(mesh) if jax.process_count() > 1 else mesh
     compute_dtype = run_config.DTYPES[cfg.model.dtype]
+    # old_logp from the trainer's own forward before the update (vLLM's log-probs come from
+    # another implementation: the difference is logged as the train-inference mismatch)
+    recompute = cfg.rollout.engine == "vllm" and cfg.rollout.vllm_logprobs == "recompute"
+    old_fn = make_reference_fn(cfg, graphdef, state["params"], mesh) if recompute else None
+    diff_fn = jax.jit(_logp_diff, out_shardings=rep)
+    vllm_engine = None
 
     def next_prompts():
         idx = iterator.next_batch()
@@ -270,13 +299,22 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     last_save_s = 0.0
     finished = False
     try:
+        if cfg.rollout.engine == "vllm":  # started here, so `finally` always stops it
+            vllm_engine = _start_vllm(cfg, model_cfg)
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
             # The sampler's weights, handed over once per step: the compute-dtype copy, whole
             # on every row device (a reshard of the FSDP-split master, cast before it moves);
-            # several processes: each samples its shards on all of its own devices.
-            decoder = engine.decode_copy(state["params"], mesh, compute_dtype)
-            policy = nnx.merge(graphdef, distributed.to_local(decoder, sample_mesh))
+            # several processes: each samples its shards on all of its own devices. vLLM:
+            # the weights synced into its process.
+            if vllm_engine is not None:
+                policy, decoder = vllm_engine, None
+                sync_s = vllm_engine.sync_weights(state["params"])
+            else:
+                decoder = jax.block_until_ready(
+                    engine.decode_copy(state["params"], mesh, compute_dtype))
+                sync_s = time.perf_counter() - t0
+                policy = nnx.merge(graphdef, distributed.to_local(decoder, sample_mesh))
             exp = experience.collect(
                 policy, next_prompts, cfg=cfg, key=jax.random.fold_in(jax.random.key(cfg.seed), it),
                 tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids,
@@ -287,13 +325,19 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
             dev = distributed.put_local_rows(
                 {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
             diag = diag_fn(dev["mask_BR"], dev["adv_B"], dev["group_id_B"])
+            mbs = [distributed.put_local_rows(minibatch(batch, m, M, P // S, G), row_sh)
+                   for m in range(M)]
+            diffs = []
+            for mb in mbs:  # before any update of this step: the policy that sampled
+                if old_fn is not None:
+                    sampler_logp = mb["old_logp_BR"]
+                    mb["old_logp_BR"] = old_fn(state["params"], mb)
+                    diffs.append(diff_fn(mb["old_logp_BR"], sampler_logp, mb["mask_BR"]))
+                if ref_params is not None:
+                    mb["ref_logp_BR"] = ref_fn(ref_params, mb)
             step_metrics = []
             for _ in range(cfg.grpo.num_updates):
-                for m in range(M):
-                    mb = minibatch(batch, m, M, P // S, G)
-                    mb = distributed.put_local_rows(mb, row_sh)
-                    if ref_params is not None:
-                        mb["ref_logp_BR"] = ref_fn(ref_params, mb)
+                for mb in mbs:
                     state, out = step_fn(state, mb)
                     step_metrics.append(out)
             step_metrics = jax.device_get(step_metrics)
@@ -315,7 +359,13 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
                           step_time_s=total, update_time_s=t2 - t1,
                           checkpoint_time_s=last_save_s,  # the save at the end of the previous step
                           sampling_time_share=timing["sample_s"] / total,
-                          tokens_per_s=host["generated_tokens"] / max(timing["sample_s"], 1e-9))
+                          tokens_per_s=host["generated_tokens"] / max(timing["sample_s"], 1e-9),
+                          weight_sync_time_s=sync_s)
+            if diffs:  # |sampler's log-prob - the trainer's| over response tokens
+                d = jax.device_get(diffs)
+                record.update(
+                    rollout_logp_diff_mean=float(sum(x[0] for x in d) / max(sum(x[2] for x in d), 1)),
+                    rollout_logp_diff_max=float(max(x[1] for x in d)))
             # The line is written before the checkpoint: a kill in between resumes from the
             # previous checkpoint and rewrites this step, so no step is ever missing.
             writer.write(it, record)
@@ -332,6 +382,8 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
         writer.close(finished=finished)  # a failed run's bar is not left at 100%
         scorer.close()
         ckpt.close()
+        if vllm_engine is not None:
+            vllm_engine.close()
     try:
         from ba_jax import plot
 

@@ -13,7 +13,8 @@ Cases (prompt bucket 2,048 + response, bf16 compute, f32 master weights, remat f
   the same with 1 row; with 4,096 and 16,384 response tokens (the slope in T);
   Qwen2.5-Math-7B, fsdp=16, 1 row per device, response 8,192 (target <= 32 GiB);
   both models with tensor=4 added (32 / 64 devices: the fit has no tensor-split cut);
-  and the sampler call of each case with 8 sampling shards (64 rows per call).
+  and the sampler call of each case as the paper config makes it: one rollout-engine call of
+  512 rows with 48 slots over the row devices (the decode copy of the weights, the page pool).
 
 `--calibrate` compiles 4-layer cuts of Qwen3-1.7B at the paper's row length with one
 dimension changed at a time and least-squares fits the per-token coefficients that
@@ -67,8 +68,10 @@ def paper_config(model: str, *, response: int = 8192, rows_per_device: int | Non
 
 def cut_config(dtype: str, *, layers: int = 4, logits_chunk: int = 256, **dims):
     """A Qwen3-1.7B cut with `layers` layers and `dims` (ModelConfig fields) changed, at the
-    paper's row length, 2 rows per device on 8 devices, 8 sampling shards."""
+    paper's row length, 2 rows per device on 8 devices, 8 sampling shards of the static
+    sampler (what the sampler coefficients were fitted on)."""
     cfg = paper_config("qwen3-1.7b", rows_per_device=2, sample_shards=8, dtype=dtype)
+    cfg.rollout.engine = "static"
     mc = dataclasses.replace(qwen.PRESETS["Qwen3-1.7B"], num_layers=layers, **dims)
     m = cfg.model
     m.preset = ""
@@ -137,12 +140,12 @@ def main() -> None:
     if args.calibrate:
         calibrate()
         return
-    print("| case | train: compiled peak | planned | planned/compiled | sample (8 shards): "
+    print("| case | train: compiled peak | planned | planned/compiled | sample (engine): "
           "compiled peak | planned | planned/compiled | compile s |")
     print("|---|---|---|---|---|---|---|---|")
     slope = {}
     for name, model, (fsdp, tensor), k, R in CASES:
-        cfg = paper_config(model, response=R, sample_shards=8)
+        cfg = paper_config(model, response=R)
         cfg.grpo.num_microbatches = k
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, fsdp, tensor
         n = fsdp * tensor

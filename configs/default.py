@@ -88,10 +88,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              # of processes, each of which samples its own shards.
              sample_shards=1,
              # Who samples: "ba_jax", the rollout engine (ba_jax.engine: continuous batching
-             # over a paged KV cache, rows split over the mesh's data/fsdp devices), or
+             # over a paged KV cache, rows split over the mesh's data/fsdp devices);
              # "static", the static sampler kept as its baseline (every row in one batch
-             # until the last one ends).
+             # until the last one ends); "vllm", a vLLM engine process (make vllm builds its
+             # environment; ba_jax.vllm_rollout), weights synced every step.
              engine="ba_jax",
+             # vLLM only: the engine environment's python ("": the repo's .venv-vllm), skip
+             # its torch.compile (a ~10 s start instead of ~40 s, slower decoding), and
+             # where old_logp comes from: "recompute" (the trainer's own forward before the
+             # update, the mismatch logged as rollout_logp_diff_*) or "engine" (vLLM's).
+             vllm_python="", vllm_enforce_eager=False, vllm_logprobs="recompute",
              # Engine decode slots per sampler call, split evenly over the row devices (0: a
              # quarter of each device's rows); page_size: tokens per KV page; kv_pages:
              # pages per call, split likewise (0: every slot's largest budget at once).
