@@ -245,7 +245,6 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     k = cfg.grpo.num_microbatches
     accum_dev = tree_bytes(f32_params, mesh)[1] if k > 1 else 0  # f32 sum over micro-batches
 
-    P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
     dp = axes["data"] * axes["fsdp"]
     rows = train_rows(cfg)
     mb_rows = max(rows // k, 1)
