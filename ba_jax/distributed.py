@@ -2,8 +2,8 @@
 
 What lives here: starting `jax.distributed` from the environment, and the few
 cross-process helpers the RL loop needs (gathering host-side rows, the process-local mesh
-and weights each host samples with on all of its devices, global arrays from local rows). What does not:
-the mesh (sharding.py) or the loop (train.py).
+and weights each host samples with on all of its devices, global arrays from local rows).
+What does not: the mesh (sharding.py) or the loop (train.py).
 
 Environment (one process per host, all started with the same command):
 * `BA_JAX_COORDINATOR=host:port`, `BA_JAX_NUM_PROCESSES=N`, `BA_JAX_PROCESS_ID=i`:

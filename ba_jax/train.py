@@ -363,9 +363,9 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
                           weight_sync_time_s=sync_s)
             if diffs:  # |sampler's log-prob - the trainer's| over response tokens
                 d = jax.device_get(diffs)
-                record.update(
-                    rollout_logp_diff_mean=float(sum(x[0] for x in d) / max(sum(x[2] for x in d), 1)),
-                    rollout_logp_diff_max=float(max(x[1] for x in d)))
+                total, count = sum(x[0] for x in d), sum(x[2] for x in d)
+                record.update(rollout_logp_diff_mean=float(total / max(count, 1)),
+                              rollout_logp_diff_max=float(max(x[1] for x in d)))
             # The line is written before the checkpoint: a kill in between resumes from the
             # previous checkpoint and rewrites this step, so no step is ever missing.
             writer.write(it, record)
