@@ -344,10 +344,16 @@ def decode_copy(params: Any, mesh: Mesh | None, dtype) -> Any:
     runs on each device's shard before the gather, so a bf16 run moves bf16 bytes; the copy
     is a fresh buffer (the trainer's state is donated to its update). Without a mesh: the
     compute-dtype copy where the parameters are."""
-    fn = functools.partial(grpo.compute_copy, dtype=dtype)
-    if mesh is None:
-        return jax.jit(fn)(params)
-    return jax.jit(fn, out_shardings=sharding.decode_shardings(params, mesh))(params)
+    key = (jnp.dtype(dtype), mesh, jax.tree.structure(params),
+           tuple(x.shape for x in jax.tree.leaves(params)))
+    if key not in _COPIES:  # one jitted copy per layout: a step never retraces it
+        fn = functools.partial(grpo.compute_copy, dtype=dtype)
+        _COPIES[key] = jax.jit(fn) if mesh is None else jax.jit(
+            fn, out_shardings=sharding.decode_shardings(params, mesh))
+    return _COPIES[key](params)
+
+
+_COPIES: dict[tuple, Any] = {}
 
 
 def row_devices(mesh: Mesh | None) -> int:

@@ -24,7 +24,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", "score_time_s",
-          "sampling_time_share", "tokens_per_s")
+          "sampling_time_share", "tokens_per_s", "weight_sync_time_s")
 
 
 def command(workdir: str, steps: int) -> list[str]:

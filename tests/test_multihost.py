@@ -21,7 +21,7 @@ from test_train import REPO, debug_config, params_of
 OVERRIDES = {"rollout.sample_shards": 2, "checkpoint.every_steps": 1,
              "grpo.dynamic_sampling": True, "grpo.max_resample_rounds": 1}
 TIMING = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", "score_time_s",
-          "sampling_time_share", "tokens_per_s")
+          "sampling_time_share", "tokens_per_s", "weight_sync_time_s")
 
 
 def _free_port() -> int:

@@ -44,7 +44,7 @@ def test_every_rule_runs_and_logs(tmp_path, rule):
     for r in rows:
         for key in ("reward_mean", "accuracy", "response_length_mean", "response_length_cv",
                     "grad_norm", "learning_rate", "entropy", "clipfrac_high", "diag_signed_mass_token",
-                    "step_time_s", "sampling_time_share", "tokens_per_s"):
+                    "step_time_s", "sampling_time_share", "tokens_per_s", "weight_sync_time_s"):
             assert key in r, key
         assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"])
         assert 0.0 <= r["accuracy"] <= 1.0
@@ -63,7 +63,7 @@ def test_resume_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(a, b)
     r1, r2 = read_metrics(full), read_metrics(split)
     drop = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", "score_time_s",
-            "sampling_time_share", "tokens_per_s")
+            "sampling_time_share", "tokens_per_s", "weight_sync_time_s")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
     assert strip(r1) == strip(r2)
 
