@@ -18,9 +18,9 @@ slots and one pool of pages. Each step,
   2. admission: every free slot takes the next pending sample of a ready prompt, if the
      pool can promise it the pages of its whole budget (so no admitted sample ever waits
      for a page);
-  3. decode: each busy slot decodes its last token against its prompt's pages and its own,
-     writes its key/value into its own page (taken from the free stack when a sample
-     crosses a page boundary) and samples its next token; a sample that emits an EOS id or
+  3. decode: each busy slot writes its last token's key/value into its own page (taken
+     from the free stack when a sample starts or crosses a page boundary), attends to its
+     prompt's pages and its own, and samples its next token; a sample that emits an EOS id or
      reaches its budget frees its slot and its pages at once, and a prompt whose samples
      have all ended frees its pages.
 Outputs are written per sample, [P*G, R_max], rows of one prompt contiguous. Prefill runs one
@@ -36,8 +36,13 @@ temperature-1 log-probs are the static sampler's (same model code, same `sample_
 the draws themselves differ from `sampler.generate_static`'s (its key is per step, shared
 by the rows).
 
-Attention reads the slot's Wq prompt pages plus its W = ceil((R_max - 1) / page) own pages,
-masked to the ones it holds (a gather-based pure-JAX paged attention; fixed shapes).
+Cache layout (`qwen.PagePool`, [K, L * NP, page, H]): a prompt's real tokens fill its pages
+from the first slot on (the bucket's padding is dropped); its samples share its full pages
+and each copies its partial last page (if any) into its own first page, then writes its
+decoded tokens after it. So a sample's tokens are one contiguous run of its page table, its
+key written before it attends: the layout of jax's TPU paged-attention kernel, which decode
+uses on TPU (`attention.paged_impl`); elsewhere a gather of the table's X pages, masked past
+the run's length.
 """
 
 from __future__ import annotations
@@ -74,11 +79,12 @@ class EngineState:
     free_N: jax.Array  # int32 [NP]: stack of free page ids, free_N[:top] are free
     top: jax.Array  # int32 []
     promised: jax.Array  # int32 []: sum of owed_S
-    pages_PQ: jax.Array  # int32 [P, Wq]: the prompt's pages (its keys/values); NP where none
+    pages_PQ: jax.Array  # int32 [P, Wq]: the prompt's pages (its real tokens' keys/values
+    #                       from the first slot of the first page on); NP where none
     ready_P: jax.Array  # bool [P]: the prompt has been prefilled
     left_P: jax.Array  # int32 [P]: the prompt's rows not yet finished (its pages go at 0)
     taken_B: jax.Array  # bool [B]: the row has had its slot, or needed none
-    pool: qwen.KVCache  # [L, NP, page, K, H]
+    pool: qwen.PagePool  # [K, L * NP, page, H]
     tokens_BR: jax.Array
     logp_BR: jax.Array
     sampling_logp_BR: jax.Array
@@ -90,8 +96,11 @@ class EngineState:
 
 
 def pages_for(budget: int, page_size: int) -> int:
-    """Pages a sample of `budget` tokens writes: every token but its last is decoded."""
-    return -(-(max(int(budget), 1) - 1) // page_size)
+    """Pages a sample of `budget` tokens may hold: its first page starts with a copy of its
+    prompt's partial last page (at most page_size - 1 tokens), then the tokens it decodes
+    (every one but its last); a sample of one token decodes none and holds none."""
+    budget = int(budget)
+    return 0 if budget <= 1 else -(-(page_size - 1 + budget - 1) // page_size)
 
 
 def prompt_pages(prompt_len: int, page_size: int) -> int:
@@ -136,17 +145,22 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
     (P, Tp), R = prompt_PT.shape, max_new_tokens
     B, S, ps, NP, Gw = row_prompt_B.shape[0], num_slots, page_size, num_pages, rows_per_prompt
     W, Wq = max(pages_for(R, ps), 1), prompt_pages(Tp, ps)
+    X = -(-(Tp + R - 1) // ps)  # pages a slot's table lists: prompt and decoded tokens
     mc = model.config
+    L = mc.num_layers
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
     positions_PT = jnp.maximum(jnp.cumsum(pmask_PT, 1) - 1, 0)
-    pvalid_PX = jnp.pad(pmask_PT.astype(bool), ((0, 0), (0, Wq * ps - Tp)))
+    # a prompt of n tokens fills n // ps pages and n % ps slots of one more; its samples
+    # share the full pages and copy the partial one into their first own page, so each
+    # sample's tokens are one contiguous run (what paged-attention kernels read)
     len_P = jnp.sum(pmask_PT, 1)
+    full_P, tail_P, qpages_P = len_P // ps, len_P % ps, -(-len_P // ps)
     real_B = sid_B >= 0
     # admission order: longest budget first (stable): the long samples start early, the
     # tail is short
     order_B = jnp.argsort(-budget_B, stable=True)
-    need_B = (jnp.maximum(budget_B, 1) - 1 + ps - 1) // ps
-    shape = (mc.num_layers, NP, ps, mc.num_kv_heads, mc.head_dim)
+    need_B = jnp.where(budget_B >= 2,
+                       (tail_P[row_prompt_B] + budget_B - 1 + ps - 1) // ps, 0)
     st = EngineState(
         step=jnp.int32(0), sid_S=jnp.full((S,), -1, jnp.int32),
         t_S=jnp.zeros((S,), jnp.int32), tok_S=jnp.zeros((S,), jnp.int32),
@@ -155,7 +169,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         pages_PQ=jnp.full((P, Wq), NP, jnp.int32), ready_P=jnp.zeros((P,), bool),
         left_P=jnp.zeros((P,), jnp.int32).at[row_prompt_B].add(real_B.astype(jnp.int32)),
         taken_B=~real_B,
-        pool=qwen.KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype)),
+        pool=qwen.PagePool.zeros(mc, NP, ps, model.dtype),
         tokens_BR=jnp.full((B, R), pad_id, jnp.int32), logp_BR=jnp.zeros((B, R), jnp.float32),
         sampling_logp_BR=jnp.zeros((B, R), jnp.float32), mask_BR=jnp.zeros((B, R), bool),
         done_B=jnp.zeros((B,), bool), busy=jnp.int32(0), peak_pages=jnp.int32(0),
@@ -170,18 +184,22 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
                           pages_PQ=jnp.where(gone_P[:, None], NP, st.pages_PQ))
 
     def prefill(st: EngineState, p) -> EngineState:
-        """Prompt p: its keys/values into Wq fresh pages, its rows' first tokens."""
+        """Prompt p: its real tokens' keys/values into ceil(n / ps) fresh pages, from the
+        first slot on (the bucket's left padding dropped), and its rows' first tokens."""
         row = lambda x: lax.dynamic_index_in_dim(x, p, 0)  # noqa: E731
         logits_11V, kv = model(row(prompt_PT), row(positions_PT), row(pmask_PT),
                                logits_slice=slice(Tp - 1, None), return_kv=True)
-        page_Q, top = _pop(st.free_N, st.top, jnp.ones((Wq,), bool))
+        page_Q, top = _pop(st.free_N, st.top, jnp.arange(Wq) < qpages_P[p])
+        src_X = jnp.clip(jnp.arange(Wq * ps) + Tp - len_P[p], 0, Tp - 1)
+        dst_LQ = jnp.where(page_Q[None] < NP, jnp.arange(L)[:, None] * NP + page_Q[None],
+                           L * NP)  # L * NP: dropped
 
         def put(buf, new_L1TKH):
-            new = jnp.pad(new_L1TKH[:, 0], ((0, 0), (0, Wq * ps - Tp), (0, 0), (0, 0)))
-            return buf.at[:, page_Q].set(new.reshape(buf.shape[0], Wq, ps, *buf.shape[3:])
-                                         .astype(buf.dtype))
+            new = new_L1TKH[:, 0][:, src_X].reshape(L, Wq, ps, *new_L1TKH.shape[3:])
+            return buf.at[:, dst_LQ].set(jnp.moveaxis(new, 3, 0).astype(buf.dtype),
+                                         mode="drop")
 
-        pool = qwen.KVCache(put(st.pool.k_LBSKH, kv.k_LBSKH), put(st.pool.v_LBSKH, kv.v_LBSKH))
+        pool = qwen.PagePool(put(st.pool.k, kv.k_LBSKH), put(st.pool.v, kv.v_LBSKH))
         # its rows are contiguous: at most Gw from the first
         idx_G = jnp.searchsorted(row_prompt_B, p) + jnp.arange(Gw)
         cl_G = jnp.clip(idx_G, 0, B - 1)
@@ -213,7 +231,8 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         prompt_O = row_prompt_B[order_B]
         cold_O = pend_O & ~st.ready_P[prompt_O]
         first = jnp.argmax(cold_O)
-        go = jnp.any(cold_O) & (st.top - st.promised >= Wq + need_B[order_B[first]])
+        go = jnp.any(cold_O) & (st.top - st.promised
+                                >= qpages_P[prompt_O[first]] + need_B[order_B[first]])
         st = lax.cond(go, prefill, lambda st, p: st, st, prompt_O[first])
         # 2. admission: free slots, in slot order, take the next pending rows of ready
         #    prompts whose budgets the unpromised pages cover (a prefix of those rows)
@@ -234,30 +253,43 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         promised = st.promised + jnp.sum(jnp.where(admit_S, need_B[cand_S], 0))
         taken_B = st.taken_B.at[new_S].set(True, mode="drop")
         live_S = sid_S >= 0
-        # 3. a page for slots whose decode position d = t - 1 starts one
+        # 3. a page for slots whose token (at position v = prompt length + t - 1 of the
+        #    sample's run) starts one, or that decode for the first time: their first page
+        #    gets a copy of the prompt's partial last page
+        p_S = jnp.where(live_S, row_prompt_B[jnp.maximum(sid_S, 0)], 0)
         d_S = t_S - 1
-        want_S = live_S & (d_S % ps == 0)
+        v_S = len_P[p_S] + d_S
+        full_S = full_P[p_S]
+        own_S = v_S // ps - full_S  # the slot's page that v falls in
+        want_S = live_S & ((v_S % ps == 0) | (d_S == 0))
         page_S, top = _pop(st.free_N, st.top, want_S)
         slot_ix = jnp.arange(S)
-        pages_SW = st.pages_SW.at[slot_ix, jnp.where(want_S, d_S // ps, W)].set(page_S,
-                                                                                   mode="drop")
+        pages_SW = st.pages_SW.at[slot_ix, jnp.where(want_S, own_S, W)].set(page_S,
+                                                                               mode="drop")
         promised = promised - jnp.sum(want_S)
         owed_S = owed_S - want_S.astype(jnp.int32)
-        # 4. decode the slots' last tokens against their prompt's pages and their own, and
-        #    sample the next ones
-        p_S = jnp.where(live_S, row_prompt_B[jnp.maximum(sid_S, 0)], 0)
-        table_SX = jnp.concatenate([st.pages_PQ[p_S], pages_SW], 1)
-        dec_valid_SX = live_S[:, None] & (jnp.arange(W * ps)[None] < d_S[:, None])
-        valid_SX = jnp.concatenate([pvalid_PX[p_S] & live_S[:, None], dec_valid_SX], 1)
-        logits_SV, k_LSKH, v_LSKH = model.decode_step_paged(
-            jnp.where(live_S, tok_S, pad_id), jnp.where(live_S, len_P[p_S] + d_S, 0),
-            st.pool, jnp.where(table_SX < NP, table_SX, 0), valid_SX)
+        copy_S = want_S & (d_S == 0) & (tail_P[p_S] > 0)
+
+        def copy_tails(pool: qwen.PagePool) -> qwen.PagePool:
+            base_L1 = jnp.arange(L)[:, None] * NP
+            src_LS = base_L1 + st.pages_PQ[p_S, jnp.minimum(full_S, Wq - 1)][None]
+            dst_LS = jnp.where(copy_S[None], base_L1 + page_S[None], L * NP)
+            cp = lambda buf: buf.at[:, dst_LS].set(buf[:, src_LS], mode="drop")  # noqa: E731
+            return qwen.PagePool(cp(pool.k), cp(pool.v))
+
+        pool = lax.cond(jnp.any(copy_S), copy_tails, lambda pool: pool, st.pool)
+        # 4. decode the slots' last tokens: each writes its key/value at v, then attends to
+        #    its run's first v + 1 tokens (the prompt's full pages, then its own), and
+        #    samples its next token
+        j_X = jnp.arange(X)
+        table_SX = jnp.where(
+            j_X[None] < full_S[:, None], st.pages_PQ[p_S][:, jnp.minimum(j_X, Wq - 1)],
+            jnp.take_along_axis(pages_SW, jnp.clip(j_X[None] - full_S[:, None], 0, W - 1), 1))
         w_page_S = jnp.where(live_S, jnp.take_along_axis(
-            pages_SW, jnp.clip(d_S // ps, 0, W - 1)[:, None], 1)[:, 0], NP)
-        off_S = jnp.where(live_S, d_S % ps, 0)
-        put = lambda buf, new: buf.at[:, w_page_S, off_S].set(  # noqa: E731
-            new.astype(buf.dtype), mode="drop")
-        pool = qwen.KVCache(put(st.pool.k_LBSKH, k_LSKH), put(st.pool.v_LBSKH, v_LSKH))
+            pages_SW, jnp.clip(own_S, 0, W - 1)[:, None], 1)[:, 0], NP)
+        logits_SV, pool = model.decode_step_paged(
+            jnp.where(live_S, tok_S, pad_id), jnp.where(live_S, v_S, 0), pool, table_SX,
+            jnp.where(live_S, v_S + 1, 1), w_page_S, v_S % ps)
         token_S, logp_S, slogp_S = sampler.sample_logits(
             logits_SV, _sample_keys(key, sid_B[jnp.maximum(sid_S, 0)], t_S), config)
         row_S = jnp.where(live_S, sid_S, B)  # B: dropped

@@ -348,3 +348,88 @@ def test_decode_attention(with_prefix):
     e_got, e_ref = max_rel_err(got16, truth), max_rel_err(ref16, truth)
     assert e_got <= max(2 * e_ref, 2**-8), (e_got, e_ref)
     assert e_got <= 4 * 2**-8, e_got
+
+
+# ---------------------------------------------------------------- paged decode
+
+
+def paged_inputs(dtype, seed=2):
+    """A pool of 10 pages of 4 slots, [K=2, 10, 4, H=16]; 4 rows reading 3 pages each, out
+    of order and shared (rows 0 and 1 share their first page, as a prompt's samples do);
+    lengths 1 (the row's own token only), mid-page, a page boundary and the whole table."""
+    rng = np.random.default_rng(seed)
+    N, K, H, NP, ps = 4, 2, 16, 10, 4
+    q = jnp.asarray(rng.normal(size=(4, N, H)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(K, NP, ps, H)), dtype) for _ in range(2))
+    table = jnp.array([[7, 2, 0], [7, 5, 9], [3, 1, 8], [6, 4, 0]], jnp.int32)
+    lengths = jnp.array([1, 6, 8, 12], jnp.int32)
+    return q, k, v, table, lengths
+
+
+def paged_reference(q, k, v, table, lengths):
+    """float64 softmax over each row's first lengths[b] slots of its pages, in order."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, N, H = q.shape
+    K = k.shape[0]
+    out = np.zeros((B, N, H))
+    for b in range(B):
+        kb = k[:, table[b]].reshape(K, -1, H)[:, :lengths[b]]
+        vb = v[:, table[b]].reshape(K, -1, H)[:, :lengths[b]]
+        for n in range(N):
+            s = kb[n // (N // K)] @ q[b, n] / math.sqrt(H)
+            p = np.exp(s - s.max())
+            out[b, n] = p @ vb[n // (N // K)] / p.sum()
+    return out
+
+
+def test_paged_decode_attention_gather_and_tpu_kernel():
+    """The gather path matches the float64 reference to float32 rounding. The TPU
+    paged-attention kernel, run by the Pallas TPU interpreter, matches it to bf16 rounding:
+    the interpreter multiplies float32 matrices with bf16 inputs, as the TPU's default
+    precision does (a wrong page, offset or length moves outputs by O(1))."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, table, lengths = paged_inputs(F32)
+    want = paged_reference(q, k, v, np.asarray(table), np.asarray(lengths))
+    got = np.asarray(jax.jit(A.paged_decode_attention)(q, k, v, table, lengths))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got[0], np.repeat(np.asarray(v)[:, 7, 0], 2, 0), atol=1e-6)
+    with pltpu.force_tpu_interpret_mode():
+        for ppb in (1, 2, 8):  # pages per kernel block; 2 pads the 3-page table
+            tpu = np.asarray(A.paged_decode_attention(q, k, v, table, lengths,
+                                                      impl="pallas_tpu", pages_per_block=ppb))
+            np.testing.assert_allclose(tpu, want, atol=3e-2, rtol=0)
+    # bf16 pools: both paths within bf16 rounding of the truth on the rounded inputs
+    q16, k16, v16 = (x.astype(BF16) for x in (q, k, v))
+    truth = paged_reference(q16, k16, v16, np.asarray(table), np.asarray(lengths))
+    got16 = A.paged_decode_attention(q16, k16, v16, table, lengths)
+    assert got16.dtype == BF16
+    np.testing.assert_allclose(np.asarray(got16, np.float32), truth, atol=3e-2, rtol=0)
+    with pltpu.force_tpu_interpret_mode():
+        tpu16 = A.paged_decode_attention(q16, k16, v16, table, lengths, impl="pallas_tpu")
+    np.testing.assert_allclose(np.asarray(tpu16, np.float32), truth, atol=3e-2, rtol=0)
+
+
+def test_paged_impl_follows_the_prefill_kernel():
+    assert A.paged_impl("splash", dtype=BF16, head_dim=128) == "pallas_tpu"
+    assert A.paged_impl("splash", dtype=BF16, head_dim=64) == "xla"  # not whole lane tiles
+    assert A.paged_impl("xla", dtype=F32, head_dim=128) == "xla"
+    assert A.paged_impl("cudnn", dtype=BF16, head_dim=128) == "xla"
+    assert A.paged_impl("auto", dtype=F32, head_dim=128) == "xla"  # on this CPU
+
+
+@pytest.mark.parametrize("use_mesh", [False, True])
+def test_paged_tpu_kernel_lowers_for_tpu(use_mesh):
+    """The kernel lowers to one Mosaic call for platform tpu; under a data x fsdp x tensor
+    mesh it runs in a shard_map (rows over data/fsdp, kv heads over tensor)."""
+    B, N, K, H, NP, ps, X = 8, 8, 2, 128, 64, 16, 6
+    q = jax.ShapeDtypeStruct((B, N, H), BF16)
+    pool = jax.ShapeDtypeStruct((K, NP, ps, H), BF16)
+    table = jax.ShapeDtypeStruct((B, X), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
+    fn = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="pallas_tpu", pages_per_block=4))
+    with jax.set_mesh(_mesh()) if use_mesh else contextlib.nullcontext():
+        text = fn.trace(q, pool, pool, table, lengths).lower(
+            lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1 and "paged_flash_attention_kernel" in text
+    assert ("sdy.manual_computation" in text) == use_mesh

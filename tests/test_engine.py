@@ -60,10 +60,11 @@ def test_same_rollouts_whatever_the_slots_and_pages(tmp_path_factory):
     _, model = _tiny("qwen3", tmp_path_factory)
     kw = dict(num_samples=4, max_new_tokens=[12, 5, 9], temperature=1.0,
               key=jax.random.key(7), eos_ids=[2], return_stats=True)
-    # the last pool holds one prompt (bucket 32: 11 pages of 3) and one sample (4 pages) at
-    # a time: prompts are prefilled inside the loop, one after the other, as pages free up
+    # the last pool holds one prompt (bucket 32: at most 11 pages of 3) and one sample (at
+    # most 5 pages: its prompt's partial last page copied, then its 11 decoded tokens) at a
+    # time: prompts are prefilled inside the loop, one after the other, as pages free up
     runs = [engine.generate(model, PROMPTS, num_slots=s, page_size=p, num_pages=n, **kw)
-            for s, p, n in ((12, 16, 0), (2, 3, 0), (3, 3, 15))]
+            for s, p, n in ((12, 16, 0), (2, 3, 0), (3, 3, 16))]
     (a, sa), *rest = runs
     assert len(set(map(tuple, a.tokens.tolist()))) > 3  # the draws differ across rows
     for b, sb in rest:
@@ -75,7 +76,7 @@ def test_same_rollouts_whatever_the_slots_and_pages(tmp_path_factory):
         assert sb.steps >= sa.steps  # fewer slots: more steps, each busier
     assert runs[1][1].useful_fraction > runs[0][1].useful_fraction
     tight = runs[2][1]
-    assert tight.peak_pages <= tight.num_pages == 15 and tight.steps > runs[1][1].steps
+    assert tight.peak_pages <= tight.num_pages == 16 and tight.steps > runs[1][1].steps
 
 
 def test_pool_too_small_and_bad_budgets_are_start_up_errors(tmp_path_factory):
@@ -178,8 +179,39 @@ def test_queue_gives_each_request_the_same_samples_however_it_is_batched(tmp_pat
         engine_queue.Engine(model, max_new_tokens=40, page_size=4, num_pages=3, **kw)
 
 
+def test_tpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
+    """model.attention=splash (what `auto` picks on TPU): splash prefill and decode through
+    jax's TPU paged-attention kernel, both run by the Pallas TPU interpreter, inside the
+    engine's loop. Greedy tokens are the gather path's; log-probs agree to the bf16 rounding
+    of the interpreter's matmuls (TPU default precision), on prompts whose partial last
+    pages the samples copy (lengths 3 and 9, pages of 4)."""
+    import dataclasses
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    from ba_jax.models import convert_hf
+    from helpers_hf import make_tiny_hf
+
+    # the kernel takes heads of whole 128-lane tiles (attention.paged_impl)
+    path = make_tiny_hf(tmp_path_factory.mktemp("h128"), arch="qwen3", tie=True, seed=1,
+                        head_dim=128)
+    model = convert_hf.load_hf(path, dtype=jnp.float32)
+    kw = dict(num_samples=2, max_new_tokens=[7, 5], temperature=0.0, key=jax.random.key(0),
+              eos_ids=[2], num_slots=3, page_size=4)
+    want = engine.generate(model, PROMPTS[:2], **kw)
+    graphdef, state = nnx.split(model)
+    tpu = nnx.merge(graphdef, state)
+    tpu.config = dataclasses.replace(model.config, attention="splash")
+    with pltpu.force_tpu_interpret_mode():
+        got = engine.generate(tpu, PROMPTS[:2], **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("impl, platform, kernel", [
-    ("splash", "tpu", "tpu_custom_call"),
+    # splash prefill and the paged-attention decode kernel
+    ("splash", "tpu", "paged_flash_attention_kernel"),
     # the tensor axis stays XLA's inside the shard_map, so jax wraps the cuDNN call in its
     # custom partitioner (expanded by XLA on the GPU): the lowered text shows the wrapper
     ("cudnn", "cuda", "@CustomSPMDPartitioning(")])
@@ -195,7 +227,9 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel):
     from ba_jax import build, sampler
     from test_train import debug_config
 
-    cfg = debug_config(**{"model.attention": impl, "model.dtype": "bfloat16", "mesh.data": 8})
+    # heads of 128 (as every Qwen's), the TPU paged-attention kernel's tile
+    cfg = debug_config(**{"model.attention": impl, "model.dtype": "bfloat16", "mesh.data": 8,
+                          "model.head_dim": 128})
     mesh = build.make_mesh(cfg)
     graphdef, params = build.init_policy(cfg, mesh)
     copy = engine.decode_copy(params, mesh, jnp.bfloat16)

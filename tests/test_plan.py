@@ -110,25 +110,27 @@ def test_per_device_optimizer_bytes_match_the_trainer_state():
 
 
 def test_kv_cache_bytes_equal_the_engines_pool():
-    """The engine's page pool per device ([L, pages, page_size, K, H] in the compute dtype,
-    prompts' pages included): by default every slot's full budget plus one prompt's pages
-    per slot (at most the device's prompts); slots and pages per call are split over the
-    row devices."""
+    """The engine's page pool per device (`qwen.PagePool`, [K, L * pages, page_size, H] in the
+    compute dtype, prompts' pages included): by default every slot's largest run (a copy of
+    its prompt's partial last page, then its decoded tokens) plus one prompt's pages per
+    slot (at most the device's prompts); slots and pages per call are split over the row
+    devices."""
     cfg = _config("default", "debug")
     cfg.model.dtype = "bfloat16"
     cfg.data.max_prompt_tokens = 40  # bucket 64: 16 pages of 4
-    cfg.rollout.num_slots, cfg.rollout.page_size = 8, 4  # 8 tokens: 2 pages per sample
+    # 8 tokens, 7 decoded after up to 3 copied: 3 pages of 4 per sample
+    cfg.rollout.num_slots, cfg.rollout.page_size = 8, 4
     mc = run_config.model_config(cfg)
 
     def want(pages):
-        pool = jax.eval_shape(lambda: qwen.init_cache(mc, pages, 4, jnp.bfloat16))
+        pool = jax.eval_shape(lambda: qwen.PagePool.zeros(mc, pages, 4, jnp.bfloat16))
         return sum(x.size * 2 for x in jax.tree.leaves(pool))
 
     p = plan_lib.plan(cfg, 1)
-    assert p["bytes"]["kv_cache"] == want(8 * 2 + 4 * 16)  # 8 slots x 2, 4 prompts x 16
-    assert p["shapes"]["slots_per_device"] == 8 and p["shapes"]["pages_per_device"] == 80
+    assert p["bytes"]["kv_cache"] == want(8 * 3 + 4 * 16)  # 8 slots x 3, 4 prompts x 16
+    assert p["shapes"]["slots_per_device"] == 8 and p["shapes"]["pages_per_device"] == 88
     cfg.mesh.data = 8  # 16 rows of 4 samples over 8 devices: 1 slot, 1 prompt each
-    assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(2 + 16)
+    assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(3 + 16)
     cfg.rollout.kv_pages = 160  # 20 per device
     assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(20)
 

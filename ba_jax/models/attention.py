@@ -13,6 +13,10 @@ semantics (see `attention`):
   cudnn    jax.nn.dot_product_attention(implementation="cudnn"); bf16/fp16 only.
   splash   Pallas TPU splash attention, under shard_map when a mesh is in context.
 
+Decode over the rollout engine's paged cache (`paged_decode_attention`, implementation from
+`paged_impl`): a gather-based pure-JAX one everywhere, and on TPU (wherever the prefill runs
+splash) jax's Pallas paged-attention kernel, which reads only the pages a row holds.
+
 Not here: RoPE (applied by the caller), the KV cache layout (sampler), projections.
 Shape letters as in the README, plus R = query heads per kv head (N = K * R); G is
 kept for samples per prompt, as elsewhere.
@@ -478,3 +482,100 @@ def decode_attention(
         )
         acc_BKRH += acc_PGKRH.reshape(acc_BKRH.shape)
     return (acc_BKRH / l_BKR[..., None]).reshape(B, N, H).astype(dt)
+
+
+# ---------------------------------------------------------------- paged decode
+
+PAGED_IMPLS = ("xla", "pallas_tpu")
+
+
+def paged_impl(impl: str, *, dtype: jnp.dtype, head_dim: int) -> str:
+    """The paged decode implementation that goes with a config value (`model.attention`):
+    the TPU paged-attention Pallas kernel wherever the prefill runs splash (on TPU, or asked
+    for by name) and the head fills whole 128-lane tiles (the kernel's blocks need it: every
+    Qwen2.5/Qwen3 model has 128), else the gather-based pure-JAX one."""
+    splash = resolve(impl, dtype=dtype, seq_len=1) == "splash"
+    return "pallas_tpu" if splash and head_dim % 128 == 0 else "xla"
+
+
+def paged_decode_attention(
+    q_BNH: Array,
+    k_pool: Array,
+    v_pool: Array,
+    table_BX: Array,
+    lengths_B: Array,
+    *,
+    impl: str = "xla",
+    pages_per_block: int = 8,
+) -> Array:
+    """One query token per row over a paged cache: row b attends to the first
+    `lengths_B[b]` (>= 1) tokens of the pages `table_BX[b]` read in order, the row's own
+    key among them (written before this call). Pools are [K, pages, page, H], the layout of
+    jax's TPU paged-attention kernel; table entries past a row's length are never read by
+    the kernel and masked here, but must be valid page ids.
+
+    impl: "xla", a gather of the X pages and a masked softmax (numerics as `attention`),
+    any backend; "pallas_tpu", `jax.experimental.pallas.ops.tpu.paged_attention`, reading
+    only the pages below each length (blocks of `pages_per_block` pages), under shard_map
+    over rows and kv heads where a mesh splits them (Pallas kernels are not
+    auto-partitioned)."""
+    if impl == "pallas_tpu":
+        return _paged_tpu(q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_block)
+    if impl != "xla":
+        raise ValueError(f"paged decode impl must be one of {PAGED_IMPLS}, got {impl!r}")
+    B, N, H = q_BNH.shape
+    K, _, ps, _ = k_pool.shape
+    X = table_BX.shape[1]
+    dt = q_BNH.dtype
+    q_BKRH = q_BNH.reshape(B, K, N // K, H)
+
+    def rows(pool):  # [K, B, X, page, H] -> [B, X * page, K, H]
+        return jnp.moveaxis(pool[:, table_BX].reshape(K, B, X * ps, H), 0, 2).astype(dt)
+
+    s_BKRS = (1.0 / math.sqrt(H)) * jnp.einsum("bkrh,bskh->bkrs", q_BKRH, rows(k_pool),
+                                                preferred_element_type=_F32)
+    valid_B11S = (jnp.arange(X * ps)[None] < lengths_B[:, None])[:, None, None, :]
+    s_BKRS = jnp.where(valid_B11S, s_BKRS, _MASK)
+    m_BKR = s_BKRS.max(-1)
+    p_BKRS = jnp.where(valid_B11S, jnp.exp(s_BKRS - m_BKR[..., None]), 0.0)
+    acc_BKRH = jnp.einsum("bkrs,bskh->bkrh", p_BKRS.astype(dt), rows(v_pool),
+                          preferred_element_type=_F32)
+    return (acc_BKRH / p_BKRS.sum(-1)[..., None]).reshape(B, N, H).astype(dt)
+
+
+def _paged_tpu(q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_block):
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    B, N, H = q_BNH.shape
+    K = k_pool.shape[0]
+    X = table_BX.shape[1]
+    # the kernel's blocks of pages must divide the table: pad it with page 0 (never read,
+    # being past every length)
+    ppb = max(1, min(pages_per_block, X))
+    table_BX = jnp.pad(table_BX, ((0, 0), (0, -X % ppb)))
+
+    def local(q_BNH, k_pool, v_pool, table_BX, lengths_B):
+        # the kernel has no scale argument: fold it into q (one extra rounding in bf16)
+        q = (q_BNH.astype(_F32) / math.sqrt(H)).astype(q_BNH.dtype)
+        return paged_attention(q, k_pool, v_pool, lengths_B.astype(jnp.int32),
+                               table_BX.astype(jnp.int32), pages_per_compute_block=ppb)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q_BNH, k_pool, v_pool, table_BX, lengths_B)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows, n_rows = [], 1
+    for axis in ("data", "fsdp"):
+        if axis in sizes and axis not in mesh.manual_axes and B % (n_rows * sizes[axis]) == 0:
+            rows.append(axis)
+            n_rows *= sizes[axis]
+    heads = ("tensor" if "tensor" in sizes and "tensor" not in mesh.manual_axes
+             and K % sizes["tensor"] == 0 else None)
+    if not rows and heads is None:
+        return local(q_BNH, k_pool, v_pool, table_BX, lengths_B)
+    row_spec = tuple(rows) or None
+    q_spec, pool_spec = P(row_spec, heads, None), P(heads, None, None, None)
+    specs = (q_spec, pool_spec, pool_spec, P(row_spec, None), P(row_spec))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec,
+                            check_vma=False)
+    return sharded(q_BNH, k_pool, v_pool, table_BX, lengths_B)

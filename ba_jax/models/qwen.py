@@ -351,6 +351,21 @@ class Attention(nnx.Module):
         return self.o_proj(o_BNH[:, None]), (k_B1KH[:, 0], v_B1KH[:, 0])
 
 
+    def decode_paged(self, x_B1D, sin_B1H, cos_B1H, pool, write, table_BX, lengths_B, impl):
+        """One new token per row over a paged cache (`PagePool` layout of one layer's view:
+        [K, pages, page, H]): its key/value written at `write` = (page_B, offset_B) first
+        (page ids out of range: not written), then attended with the row's table ->
+        (out, (k_pool, v_pool))."""
+        q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, sin_B1H, cos_B1H)
+        page_B, off_B = write
+        put = lambda buf, new_BKH: buf.at[:, page_B, off_B].set(  # noqa: E731
+            jnp.swapaxes(new_BKH, 0, 1).astype(buf.dtype), mode="drop")
+        k_pool, v_pool = put(pool[0], k_B1KH[:, 0]), put(pool[1], v_B1KH[:, 0])
+        o_BNH = attention_lib.paged_decode_attention(q_B1NH[:, 0], k_pool, v_pool, table_BX,
+                                                     lengths_B, impl=impl)
+        return self.o_proj(o_BNH[:, None]), (k_pool, v_pool)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), the product in float32, rounded once."""
 
@@ -384,6 +399,13 @@ class DecoderLayer(nnx.Module):
         return sharding.constrain(x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)),
                                   _X_AXES), kv
 
+    def decode_paged(self, x_B1D, sin_B1H, cos_B1H, pool, write, table_BX, lengths_B, impl):
+        h_B1D, pool = self.self_attn.decode_paged(self.input_layernorm(x_B1D), sin_B1H,
+                                                  cos_B1H, pool, write, table_BX, lengths_B,
+                                                  impl)
+        x_B1D = x_B1D + h_B1D
+        return x_B1D + self.mlp(self.post_attention_layernorm(x_B1D)), pool
+
     def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
         h_B1D, kv = self.self_attn.decode(self.input_layernorm(x_B1D), sin_B1H, cos_B1H, k_BSKH,
                                           v_BSKH, valid_BS, prefix)
@@ -406,6 +428,23 @@ class KVCache:
         put = lambda buf, new: lax.dynamic_update_slice(  # noqa: E731
             buf, new[:, :, None].astype(buf.dtype), start)
         return KVCache(put(self.k_LBSKH, k_LBKH), put(self.v_LBSKH, v_LBKH))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagePool:
+    """The rollout engine's pages of keys (after RoPE) and values, every layer in one array
+    per side: layer l's page p is page l * NP + p, so a layer's decode hands the whole pool
+    to the paged-attention kernel (no per-layer slice copied out) with its table offset by
+    l * NP. [K, L * NP, page, H] is the layout of jax's TPU paged-attention kernel."""
+
+    k: jax.Array  # [K, L * NP, page, H]
+    v: jax.Array
+
+    @staticmethod
+    def zeros(config: ModelConfig, num_pages: int, page_size: int, dtype) -> PagePool:
+        shape = (config.num_kv_heads, config.num_layers * num_pages, page_size, config.head_dim)
+        return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -543,25 +582,36 @@ class Qwen(nnx.Module):
         x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(body, self._embed(tokens_B[:, None]), xs)
         return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
 
-    def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array,
-                          pool: KVCache, page_table_BW: jax.Array, valid_BS: jax.Array):
-        """One new token per decode slot over a paged cache -> (logits_BV float32, k_LBKH,
-        v_LBKH), the new keys/values for the caller to write into the pool.
+    def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array, pool: PagePool,
+                          page_table_BX: jax.Array, lengths_B: jax.Array,
+                          write_page_B: jax.Array, write_offset_B: jax.Array):
+        """One new token per decode slot over a paged cache -> (logits_BV float32, the pool
+        with the new keys/values written).
 
-        `pool` holds pages [L, num_pages, page_size, K, H]; row b reads the W pages
-        `page_table_BW[b]` in order (its prompt's pages, shared with the other rows of that
-        prompt, then its own), i.e. S = W * page_size slots, of which `valid_BS` are
-        attended, plus the token itself.
+        Per layer, row b's key/value go to page `write_page_B[b]` (a page id < NP, the pages
+        per layer; NP: not written) at `write_offset_B[b]`, then the token attends to the
+        first `lengths_B[b]` tokens of its pages `page_table_BX[b]` read in order (its
+        prompt's full pages, shared with the prompt's other rows, then its own), itself
+        included. `pool` is a `PagePool`; the kernel is `attention.paged_impl`'s.
         """
-        B, W = page_table_BW.shape
-        valid_BS = valid_BS.astype(bool)
+        L = self.config.num_layers
+        NP = pool.k.shape[1] // L
+        impl = attention_lib.paged_impl(self.config.attention, dtype=self.dtype,
+                                        head_dim=self.config.head_dim)
+        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
+                                        self.config.rope_theta)
+        page_table_BX = jnp.where(page_table_BX < NP, page_table_BX, 0)
+        writes_B = write_page_B < NP
 
-        def rows(pages_nPKH):
-            own = pages_nPKH[page_table_BW]  # [B, W, page, K, H]
-            return own.reshape(B, W * own.shape[2], *own.shape[3:])
+        def body(layer, carry, layer_ix):
+            x_B1D, k_pool, v_pool = carry
+            base = layer_ix * NP  # the layer's pages in the pool
+            write = (jnp.where(writes_B, base + write_page_B, L * NP), write_offset_B)
+            x_B1D, (k_pool, v_pool) = layer.decode_paged(
+                x_B1D, sin_B1H, cos_B1H, (k_pool, v_pool), write, page_table_BX + base,
+                lengths_B, impl)
+            return (x_B1D, k_pool, v_pool), None
 
-        def keys(xs_l):
-            kp, vp = xs_l
-            return rows(kp), rows(vp), valid_BS, None
-
-        return self._decode_scan(tokens_B, positions_B, keys, (pool.k_LBSKH, pool.v_LBSKH))
+        (x_B1D, k_pool, v_pool), _ = self._scan_layers(
+            body, (self._embed(tokens_B[:, None]), pool.k, pool.v), jnp.arange(L))
+        return self.logits(x_B1D)[:, 0], PagePool(k_pool, v_pool)
