@@ -9,6 +9,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Most of the suite's time is XLA compiling the same small programs (the debug config's
+# step, sampler and engine) in test after test and in the runs tests start as processes:
+# jax's persistent compilation cache, keyed by the program and the jax/XLA versions and
+# flags, compiles each once. The environment reaches the test workers and subprocesses.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 
