@@ -421,11 +421,14 @@ class VllmEngine:
         top_p: float = 1.0,
         eos_ids: Sequence[int],
         pad_id: int | None = None,
+        ignore_eos: bool = False,
     ) -> sampler.Rollout:
         """`sampler.generate`'s contract through vLLM: `num_samples` responses per prompt
         (temperature 0: greedy), rows of a prompt contiguous; `max_new_tokens` an int, one
         per prompt or one per row, arrays as wide as the largest. `key`: a JAX key or an
-        int seed. Stops on `eos_ids` only (the EOS is part of the response)."""
+        int seed. Stops on `eos_ids` only (the EOS is part of the response);
+        `ignore_eos=True` runs every row to its budget (benchmarks: vLLM refuses stop ids
+        outside the vocabulary, the in-house samplers' way of forcing full length)."""
         self._check_open()
         if not self._synced:
             raise VllmEngineError("the engine holds dummy weights: call sync_weights first")
@@ -446,7 +449,8 @@ class VllmEngine:
             op="generate", prompts=[[int(t) for t in p] for p in prompts], num_samples=G,
             max_tokens=budget_B.tolist(), seeds=seeds_B.tolist(),
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-            stop_token_ids=eos.tolist(), pad_id=int(pad)), what="generate")
+            stop_token_ids=eos.tolist(), pad_id=int(pad), ignore_eos=bool(ignore_eos)),
+            what="generate")
         mask_BR = np.arange(R)[None] < out["lengths"][:, None]
         logp_BR = np.where(mask_BR, out["logprobs"], 0.0).astype(np.float32)
         plain = config.top_k == 0 or config.top_k >= self.config.vocab_size

@@ -164,11 +164,15 @@ class _Engine:
         if len(budgets) != B or len(seeds) != B:
             raise ValueError(f"{len(budgets)} budgets and {len(seeds)} seeds for {B} rows")
         temperature = float(msg["temperature"])
+        # ignore_eos (benchmarks): every row runs to its budget; no stop ids either, since
+        # vLLM still stops on those
+        ignore = bool(msg.get("ignore_eos", False))
+        stops = [] if ignore else list(msg["stop_token_ids"])
         requests = [{"prompt_token_ids": list(p)} for p in msg["prompts"] for _ in range(G)]
         params = [SamplingParams(
             temperature=temperature, top_k=int(msg["top_k"]), top_p=float(msg["top_p"]),
             max_tokens=int(budgets[b]), seed=int(seeds[b]) if temperature > 0 else None,
-            stop_token_ids=list(msg["stop_token_ids"]), ignore_eos=False, logprobs=0,
+            stop_token_ids=stops, ignore_eos=ignore, logprobs=0,
             detokenize=False, flat_logprobs=True) for b in range(B)]
         t0 = time.perf_counter()
         outs = self.llm.generate(requests, params, use_tqdm=False)

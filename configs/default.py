@@ -9,7 +9,8 @@ rest from the `dapo_reward` signal alone.
 
 Command:
   python -m ba_jax.main --config=configs/default.py --workdir=runs/default
-  (or `make train`). Variants: `configs/default.py:debug` (a few steps, for tests).
+  (or `make train`). Variants: `configs/default.py:debug` (a few steps, for tests),
+  `configs/default.py:head32` (head_dim 32, which vLLM-CPU needs: for comparing engines).
 Expected (measured in docs/benchmarks.md, one 2-core CPU): `accuracy` about 0.15 over the
 first 10 of the 500 steps and about 0.9 over the last 50, in about 80-100 s; the run
 prints where metrics, plots and checkpoint are.
@@ -147,6 +148,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.model.num_layers = 1
         c.model.head_dim = 8
         c.checkpoint.every_steps = 2
+    elif arg == "head32":
+        # The same width with two 32-wide query heads over one KV head: the smallest head
+        # vLLM-CPU's attention takes (it needs head_dim >= 32), so that every rollout engine
+        # can run it (benchmarks/engines.py compares them on it).
+        c.model.num_heads = 2
+        c.model.num_kv_heads = 1
+        c.model.head_dim = 32
     elif arg not in (None, ""):
-        raise ValueError(f"configs/default.py: unknown variant {arg!r} (valid: '', 'debug')")
+        raise ValueError(f"configs/default.py: unknown variant {arg!r} (valid: '', 'debug', "
+                         "'head32')")
     return c

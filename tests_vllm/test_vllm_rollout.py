@@ -94,6 +94,12 @@ def test_greedy_equals_the_sampler_and_transformers(arch, engines, tmp_path_fact
     ref = engine.generate(model, PROMPTS, max_new_tokens=budgets, key=jax.random.key(0), **kw)
     for name in fields:
         np.testing.assert_array_equal(getattr(ro, name), getattr(ref, name), err_msg=name)
+    # ignore_eos (the benchmark's forced lengths): every row runs to its budget, through the
+    # EOS the rows above stopped at, and the tokens are the EOS-free greedy ones
+    ro = eng.generate(PROMPTS, max_new_tokens=budgets, key=0, ignore_eos=True, **kw)
+    assert (ro.lengths == np.repeat(budgets, 2)).all() and set(ro.finish_reason) == {"length"}
+    for b, n in enumerate(ro.lengths):
+        np.testing.assert_array_equal(ro.tokens[b, :n], free[b // 2, :n])
 
 
 def test_logprobs_equal_the_trainers_in_float32(engines, tmp_path_factory):
