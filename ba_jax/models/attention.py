@@ -358,6 +358,27 @@ def _splash_kernel(
     )
 
 
+def _kernel_split(B: int, K: int):
+    """How a Pallas kernel (not auto-partitioned) is cut under the mesh in context ->
+    (mesh, (row axes spec, kv-head axis)) for a shard_map: rows over the mesh's data/fsdp
+    axes and kv heads over tensor, each where it divides and is not already manual;
+    (mesh, None) when nothing is split."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return mesh, None
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows, n_rows = [], 1
+    for axis in ("data", "fsdp"):
+        if axis in sizes and axis not in mesh.manual_axes and B % (n_rows * sizes[axis]) == 0:
+            rows.append(axis)
+            n_rows *= sizes[axis]
+    heads = ("tensor" if "tensor" in sizes and "tensor" not in mesh.manual_axes
+             and K % sizes["tensor"] == 0 else None)
+    if not rows and heads is None:
+        return mesh, None
+    return mesh, (tuple(rows) or None, heads)
+
+
 def _splash(
     q_BTNH: Array,
     k_BTKH: Array,
@@ -397,21 +418,10 @@ def _splash(
         o_BTNH = jnp.swapaxes(jax.vmap(one_row)(q_BNTH, k_BKTH, v_BKTH, seg_BT), 1, 2)
         return jnp.where(valid_BT[:, :, None, None], o_BTNH[:, :T], 0).astype(dt)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    mesh, split = _kernel_split(B, k_BTKH.shape[2])
+    if split is None:
         return local(q_BTNH, k_BTKH, v_BTKH, valid_BT)
-    K = k_BTKH.shape[2]
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    rows, n_rows = [], 1
-    for axis in ("data", "fsdp"):
-        if axis in sizes and axis not in mesh.manual_axes and B % (n_rows * sizes[axis]) == 0:
-            rows.append(axis)
-            n_rows *= sizes[axis]
-    heads = ("tensor" if "tensor" in sizes and "tensor" not in mesh.manual_axes
-             and K % sizes["tensor"] == 0 else None)
-    if not rows and heads is None:
-        return local(q_BTNH, k_BTKH, v_BTKH, valid_BT)
-    row_spec = tuple(rows) or None
+    row_spec, heads = split
     x_spec = P(row_spec, None, heads, None)
     specs = (x_spec, x_spec, x_spec, P(row_spec, None))
     sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=False)
@@ -560,20 +570,10 @@ def _paged_tpu(q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_block):
         return paged_attention(q, k_pool, v_pool, lengths_B.astype(jnp.int32),
                                table_BX.astype(jnp.int32), pages_per_compute_block=ppb)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    mesh, split = _kernel_split(B, K)
+    if split is None:
         return local(q_BNH, k_pool, v_pool, table_BX, lengths_B)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    rows, n_rows = [], 1
-    for axis in ("data", "fsdp"):
-        if axis in sizes and axis not in mesh.manual_axes and B % (n_rows * sizes[axis]) == 0:
-            rows.append(axis)
-            n_rows *= sizes[axis]
-    heads = ("tensor" if "tensor" in sizes and "tensor" not in mesh.manual_axes
-             and K % sizes["tensor"] == 0 else None)
-    if not rows and heads is None:
-        return local(q_BNH, k_pool, v_pool, table_BX, lengths_B)
-    row_spec = tuple(rows) or None
+    row_spec, heads = split
     q_spec, pool_spec = P(row_spec, heads, None), P(heads, None, None, None)
     specs = (q_spec, pool_spec, pool_spec, P(row_spec, None), P(row_spec))
     sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec,
