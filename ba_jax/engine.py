@@ -10,11 +10,13 @@ sampling math (`sampler.sample_logits`), the model's paged decode step
 How one call runs, all inside one jitted function (one host round trip: the outputs come
 back when the call's last sample ends): a `lax.while_loop` over a fixed number of decode
 slots and one pool of pages. Each step,
-  1. prefill: the prompt of the first pending sample (in admission order: longest budget
-     first, so the tail is short) whose prompt is not ready is prefilled, if the unpromised
-     pages hold its Wq pages and that sample's budget (so one more sample can always start:
-     no deadlock); its keys/values go into pages that its G samples then read by reference,
-     and their first tokens are drawn from its last logits;
+  1. prefill: with no prompt in prefill, the prompt of the first pending sample (in
+     admission order: longest budget first, so the tail is short) whose prompt is not ready
+     starts, if the unpromised pages hold its pages and that sample's budget (promised to it
+     until the prompt is in, so one more sample can always start: no deadlock); then one
+     chunk of `prefill_chunk` of its tokens is prefilled: their keys/values go into pages
+     that its G samples then read by reference, and after its last chunk their first tokens
+     are drawn from its last logits;
   2. admission: every free slot takes the next pending sample of a ready prompt, if the
      pool can promise it the pages of its whole budget (so no admitted sample ever waits
      for a page);
@@ -23,9 +25,12 @@ slots and one pool of pages. Each step,
      prompt's pages and its own, and samples its next token; a sample that emits an EOS id or
      reaches its budget frees its slot and its pages at once, and a prompt whose samples
      have all ended frees its pages.
-Outputs are written per sample, [P*G, R_max], rows of one prompt contiguous. Prefill runs one
-prompt per step inside the loop, interleaved with the decode of the busy slots; a long prompt
-is prefilled whole in its step (not cut into chunks).
+Outputs are written per sample, [P*G, R_max], rows of one prompt contiguous. Prefill runs
+inside the loop, one chunk per step, interleaved with the decode of the busy slots, so a
+long prompt never stalls them for more than one chunk's forward. A chunk attends to the
+pages the prompt's earlier chunks wrote (`qwen.Qwen.prefill_chunk_paged`, a gather of those
+pages: any backend); a bucket no longer than the chunk is one forward with the model's
+prefill kernel (splash, cuDNN, ...).
 With a mesh, the call's rows are cut into D blocks over the (data, fsdp) devices
 (`row_layout`) and each device runs steps 1-3 on its own block, prompts, slots and pool
 (`engine_fn`: a shard_map manual over those axes; no collective inside the loop).
@@ -42,7 +47,8 @@ and each copies its partial last page (if any) into its own first page, then wri
 decoded tokens after it. So a sample's tokens are one contiguous run of its page table, its
 key written before it attends: the layout of jax's TPU paged-attention kernel, which decode
 uses on TPU (`attention.paged_impl`); elsewhere a gather of the table's X pages, masked past
-the run's length.
+the run's length, with the new token's key attended beside them and every layer's keys
+written in one scatter after the layer scan (`attention.paged_writes_first`).
 """
 
 from __future__ import annotations
@@ -82,6 +88,9 @@ class EngineState:
     pages_PQ: jax.Array  # int32 [P, Wq]: the prompt's pages (its real tokens' keys/values
     #                       from the first slot of the first page on); NP where none
     ready_P: jax.Array  # bool [P]: the prompt has been prefilled
+    pf_p: jax.Array  # int32 []: the prompt being prefilled, -1 when none
+    pf_at: jax.Array  # int32 []: its real tokens prefilled so far
+    pf_owed: jax.Array  # int32 []: pages promised for its first pending row meanwhile
     left_P: jax.Array  # int32 [P]: the prompt's rows not yet finished (its pages go at 0)
     taken_B: jax.Array  # bool [B]: the row has had its slot, or needed none
     pool: qwen.PagePool  # [K, L * NP, page, H]
@@ -131,25 +140,26 @@ def _push(free_N, top, page_X, give_X):
 def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, *,
                   max_new_tokens: int, num_slots: int, page_size: int, num_pages: int,
                   rows_per_prompt: int, config: sampler.SamplingConfig, eos_E,
-                  pad_id) -> dict[str, jax.Array]:
+                  pad_id, prefill_chunk: int = 0) -> dict[str, jax.Array]:
     """Traceable body of one engine (one device's share under a mesh) -> dict of [B, R] arrays
     and the loop's counters (`steps`, `busy_slot_steps`, `peak_pages`, ...).
 
     Row b samples from prompt `row_prompt_B[b]` (nondecreasing; a prompt has at most
     `rows_per_prompt` rows) of the P left-padded prompts, with the keys of sample id
     `sid_B[b]` (its row in the whole call; < 0: a padding row, never sampled) and at most
-    `budget_B[b]` tokens. Each loop step first prefills the next prompt a pending row needs
-    (if the pool can hold its pages and that row's budget), writing its keys/values into
-    pages its rows share and drawing their first tokens; then free slots take pending rows
-    of prefilled prompts; then every busy slot decodes one token."""
+    `budget_B[b]` tokens. Each loop step first prefills one chunk of `prefill_chunk` tokens
+    (0: the whole bucket) of the prompt a pending row needs next (starting it if the pool can
+    hold its pages and that row's budget), writing its keys/values into pages its rows share,
+    and after its last chunk draws their first tokens; then free slots take pending rows of
+    prefilled prompts; then every busy slot decodes one token."""
     (P, Tp), R = prompt_PT.shape, max_new_tokens
+    C = min(int(prefill_chunk), Tp) if prefill_chunk else Tp
     B, S, ps, NP, Gw = row_prompt_B.shape[0], num_slots, page_size, num_pages, rows_per_prompt
     W, Wq = max(pages_for(R, ps), 1), prompt_pages(Tp, ps)
     X = -(-(Tp + R - 1) // ps)  # pages a slot's table lists: prompt and decoded tokens
     mc = model.config
     L = mc.num_layers
     pmask_PT = prompt_mask_PT.astype(jnp.int32)
-    positions_PT = jnp.maximum(jnp.cumsum(pmask_PT, 1) - 1, 0)
     # a prompt of n tokens fills n // ps pages and n % ps slots of one more; its samples
     # share the full pages and copy the partial one into their first own page, so each
     # sample's tokens are one contiguous run (what paged-attention kernels read)
@@ -167,6 +177,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         pages_SW=jnp.full((S, W), NP, jnp.int32), owed_S=jnp.zeros((S,), jnp.int32),
         free_N=jnp.arange(NP, dtype=jnp.int32)[::-1], top=jnp.int32(NP), promised=jnp.int32(0),
         pages_PQ=jnp.full((P, Wq), NP, jnp.int32), ready_P=jnp.zeros((P,), bool),
+        pf_p=jnp.int32(-1), pf_at=jnp.int32(0), pf_owed=jnp.int32(0),
         left_P=jnp.zeros((P,), jnp.int32).at[row_prompt_B].add(real_B.astype(jnp.int32)),
         taken_B=~real_B,
         pool=qwen.PagePool.zeros(mc, NP, ps, model.dtype),
@@ -183,37 +194,65 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         return st.replace(free_N=free_N, top=top,
                           pages_PQ=jnp.where(gone_P[:, None], NP, st.pages_PQ))
 
-    def prefill(st: EngineState, p) -> EngineState:
-        """Prompt p: its real tokens' keys/values into ceil(n / ps) fresh pages, from the
-        first slot on (the bucket's left padding dropped), and its rows' first tokens."""
-        row = lambda x: lax.dynamic_index_in_dim(x, p, 0)  # noqa: E731
-        logits_11V, kv = model(row(prompt_PT), row(positions_PT), row(pmask_PT),
-                               logits_slice=slice(Tp - 1, None), return_kv=True)
+    def start_prefill(st: EngineState, p, need) -> EngineState:
+        """Prompt p: ceil(n / ps) fresh pages for its n real tokens, and a promise of `need`
+        pages (the budget of its first pending row) until its last chunk is in."""
         page_Q, top = _pop(st.free_N, st.top, jnp.arange(Wq) < qpages_P[p])
-        src_X = jnp.clip(jnp.arange(Wq * ps) + Tp - len_P[p], 0, Tp - 1)
-        dst_LQ = jnp.where(page_Q[None] < NP, jnp.arange(L)[:, None] * NP + page_Q[None],
-                           L * NP)  # L * NP: dropped
+        return st.replace(top=top, pages_PQ=st.pages_PQ.at[p].set(page_Q), pf_p=p,
+                          pf_at=jnp.int32(0), pf_owed=need, promised=st.promised + need)
 
-        def put(buf, new_L1TKH):
-            new = new_L1TKH[:, 0][:, src_X].reshape(L, Wq, ps, *new_L1TKH.shape[3:])
-            return buf.at[:, dst_LQ].set(jnp.moveaxis(new, 3, 0).astype(buf.dtype),
-                                         mode="drop")
+    def prefill_chunk_step(st: EngineState) -> EngineState:
+        """The next C real tokens of the prompt in prefill: their keys/values into its pages,
+        from the first slot on (the bucket's left padding dropped); after its last chunk, its
+        rows' first tokens from the last token's logits. A whole bucket (C = Tp) is one
+        forward with the model's attention kernel (`attention.resolve`: splash, cudnn, ...);
+        a chunk attends to the pages earlier chunks wrote (`qwen.prefill_chunk_paged`)."""
+        p, at = st.pf_p, st.pf_at
+        row_T = lax.dynamic_index_in_dim(prompt_PT, p, 0, keepdims=False)
+        if C == Tp:
+            mask_1T = lax.dynamic_index_in_dim(pmask_PT, p, 0)
+            x_1TD, kv = model.hidden_states(row_T[None], jnp.maximum(jnp.cumsum(mask_1T, 1) - 1,
+                                                                    0), mask_1T, return_kv=True)
+            src_X = jnp.clip(jnp.arange(Wq * ps) + Tp - len_P[p], 0, Tp - 1)
+            page_Q = st.pages_PQ[p]
+            dst_LQ = jnp.where(page_Q[None] < NP, jnp.arange(L)[:, None] * NP + page_Q[None],
+                               L * NP)  # L * NP: dropped
 
-        pool = qwen.PagePool(put(st.pool.k, kv.k_LBSKH), put(st.pool.v, kv.v_LBSKH))
+            def put(buf, new_L1TKH):
+                new = new_L1TKH[:, 0][:, src_X].reshape(L, Wq, ps, *new_L1TKH.shape[3:])
+                return buf.at[:, dst_LQ].set(jnp.moveaxis(new, 3, 0).astype(buf.dtype),
+                                             mode="drop")
+
+            st = st.replace(pool=qwen.PagePool(put(st.pool.k, kv.k_LBSKH),
+                                               put(st.pool.v, kv.v_LBSKH)))
+            return finish_prefill(st, x_1TD[:, Tp - 1:])
+        j_C = at + jnp.arange(C)
+        valid_C = j_C < len_P[p]
+        tok_C = row_T[jnp.clip(Tp - len_P[p] + j_C, 0, Tp - 1)]
+        x_1CD, pool = model.prefill_chunk_paged(tok_C[None], valid_C[None], st.pool,
+                                                st.pages_PQ[p][None], at[None])
+        st = st.replace(pool=pool, pf_at=at + C)
+        last = jnp.clip(len_P[p] - 1 - at, 0, C - 1)  # the prompt's last token, if here
+        return lax.cond(at + C >= len_P[p], finish_prefill, lambda st, x: st, st,
+                        lax.dynamic_slice_in_dim(x_1CD, last, 1, axis=1))
+
+    def finish_prefill(st: EngineState, x_11D) -> EngineState:
+        p = st.pf_p
+        logits_1V = model.logits(x_11D)[:, 0]
         # its rows are contiguous: at most Gw from the first
         idx_G = jnp.searchsorted(row_prompt_B, p) + jnp.arange(Gw)
         cl_G = jnp.clip(idx_G, 0, B - 1)
         in_G = (idx_G < B) & (row_prompt_B[cl_G] == p) & real_B[cl_G]
         tok_G, logp_G, slogp_G = sampler.sample_logits(
-            jnp.broadcast_to(logits_11V[:, 0], (Gw, logits_11V.shape[-1])),
+            jnp.broadcast_to(logits_1V, (Gw, logits_1V.shape[-1])),
             _sample_keys(key, sid_B[cl_G], jnp.zeros((Gw,), jnp.int32)), config)
         rows_G = jnp.where(in_G, idx_G, B)  # B: dropped
         at0 = lambda buf, v: buf.at[rows_G, 0].set(v.astype(buf.dtype), mode="drop")  # noqa: E731
         eos_G = jnp.any(tok_G[:, None] == eos_E[None, :], -1)
         end_G = in_G & (eos_G | (budget_B[cl_G] <= 1))  # finished with their first token
         st = st.replace(
-            top=top, pool=pool, pages_PQ=st.pages_PQ.at[p].set(page_Q),
             ready_P=st.ready_P.at[p].set(True), left_P=st.left_P.at[p].add(-jnp.sum(end_G)),
+            pf_p=jnp.int32(-1), pf_owed=jnp.int32(0), promised=st.promised - st.pf_owed,
             taken_B=st.taken_B.at[jnp.where(end_G, idx_G, B)].set(True, mode="drop"),
             tokens_BR=at0(st.tokens_BR, tok_G), logp_BR=at0(st.logp_BR, logp_G),
             sampling_logp_BR=at0(st.sampling_logp_BR, slogp_G),
@@ -224,16 +263,19 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         return jnp.any(st.sid_S >= 0) | jnp.any(~st.taken_B)
 
     def body(st: EngineState) -> EngineState:
-        # 1. prefill: the prompt of the first pending row (in admission order) whose prompt
-        #    is not ready, if the unpromised pages hold the prompt and that row's budget (so
-        #    after any prefill one more sample can always start: no deadlock)
+        # 1. prefill: with none in progress, start the prompt of the first pending row (in
+        #    admission order) whose prompt is not ready, if the unpromised pages hold the
+        #    prompt and that row's budget (promised to it until the prompt is in, so after any
+        #    prefill one more sample can always start: no deadlock); then one chunk of it
         pend_O = ~st.taken_B[order_B]
         prompt_O = row_prompt_B[order_B]
         cold_O = pend_O & ~st.ready_P[prompt_O]
         first = jnp.argmax(cold_O)
-        go = jnp.any(cold_O) & (st.top - st.promised
-                                >= qpages_P[prompt_O[first]] + need_B[order_B[first]])
-        st = lax.cond(go, prefill, lambda st, p: st, st, prompt_O[first])
+        need = need_B[order_B[first]]
+        go = (st.pf_p < 0) & jnp.any(cold_O) & (
+            st.top - st.promised >= qpages_P[prompt_O[first]] + need)
+        st = lax.cond(go, start_prefill, lambda st, p, n: st, st, prompt_O[first], need)
+        st = lax.cond(st.pf_p >= 0, prefill_chunk_step, lambda st: st, st)
         # 2. admission: free slots, in slot order, take the next pending rows of ready
         #    prompts whose budgets the unpromised pages cover (a prefix of those rows)
         cand_O = ~st.taken_B[order_B] & st.ready_P[prompt_O]
@@ -303,7 +345,9 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         held = NP - top  # pages held this step, before the ends give theirs back
         held_P = st.ready_P & (st.left_P > 0)
         live = (jnp.sum(jnp.where(live_S, d_S + 1, 0))  # tokens in them: decoded and prompts'
-                + jnp.sum(jnp.where(held_P, len_P, 0)))
+                + jnp.sum(jnp.where(held_P, len_P, 0))
+                + jnp.where(st.pf_p >= 0, jnp.minimum(st.pf_at, len_P[jnp.maximum(st.pf_p, 0)]),
+                            0))
         new_peak = held > st.peak_pages
         st = st.replace(
             step=st.step + 1, sid_S=jnp.where(end_S, -1, sid_S),
@@ -331,11 +375,11 @@ _JITTED: dict[tuple, Any] = {}
 TRACE_COUNTS: Counter = Counter()  # traces per compile key; a test checks calls do not retrace
 
 
-def engine_fn(graphdef, P, Tp, B, R, S, ps, NP, G, config, mesh):
-    """The jitted engine call: run(state, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B,
-    budget_B, key, eos_E, pad_id) -> `engine_arrays`' dict, counters as [D] arrays (one per
-    row device); one per (model structure, shapes, settings, mesh). G: the most rows one
-    prompt has on a device.
+def engine_fn(graphdef, cs: CallShape, config, mesh):
+    """The jitted engine call of the shape `cs` (`call_shape`): run(state, prompt_PT,
+    prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, eos_E, pad_id) -> `engine_arrays`'
+    dict, counters as [D] arrays (one per row device); one per (model structure, shape,
+    settings, mesh).
 
     With a mesh, every argument but the state, key, EOS ids and pad id is split over the
     mesh's row axes (`sharding.row_axes`): each of the D row devices runs its own engine on
@@ -343,15 +387,18 @@ def engine_fn(graphdef, P, Tp, B, R, S, ps, NP, G, config, mesh):
     `shard_map` manual over those axes only: no collective inside the loop, and `tensor`
     (if the mesh has one) still splits heads and the MLP by XLA's partitioner. Weights are
     taken as given: hand over a decode copy (`decode_copy`) so none is gathered per call."""
-    k = (graphdef, P, Tp, B, R, S, ps, NP, G, config, mesh)
+    k = (graphdef, cs, config, mesh)
     if k not in _JITTED:
         def local(state, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, eos_E,
                   pad_id):
             TRACE_COUNTS[k[1:-1]] += 1  # runs at trace time only
             out = engine_arrays(nnx.merge(graphdef, state), prompt_PT, prompt_mask_PT,
-                                row_prompt_B, sid_B, budget_B, key, max_new_tokens=R,
-                                num_slots=S, page_size=ps, num_pages=NP,
-                                rows_per_prompt=G, config=config, eos_E=eos_E, pad_id=pad_id)
+                                row_prompt_B, sid_B, budget_B, key,
+                                max_new_tokens=cs.max_new_tokens,
+                                num_slots=cs.slots_per_device, page_size=cs.page_size,
+                                num_pages=cs.pages_per_device,
+                                rows_per_prompt=cs.rows_per_prompt, config=config,
+                                eos_E=eos_E, pad_id=pad_id, prefill_chunk=cs.prefill_chunk)
             return {n: v if v.ndim else v[None] for n, v in out.items()}
 
         axes = () if mesh is None else sharding.row_axes(mesh)
@@ -475,20 +522,24 @@ class CallShape:
     page_size: int
     pages_per_device: int
     rows_per_prompt: int  # the most rows one prompt has on one device
+    prefill_chunk: int  # tokens of a prompt prefilled per loop step (<= the bucket)
 
 
 def call_shape(num_prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int, *,
                num_slots: int = 0, page_size: int = 16, num_pages: int = 0,
-               num_devices: int = 1) -> CallShape:
+               num_devices: int = 1, prefill_chunk: int = 512) -> CallShape:
     """The shape of a call of P prompts x G samples on D row devices, prompts in the bucket
     `prompt_len`: each device gets ceil(num_slots / D) slots (0: a quarter of its rows) and
     ceil(num_pages / D) pages (0: every slot's largest budget at once, plus one prompt's
-    pages per slot, at most its prompts'). ValueError before anything runs for settings
-    that cannot run: slots or page size < 1, a device pool too small for one prompt and
-    one sequence of the largest budget."""
+    pages per slot, at most its prompts'), prompts prefilled `prefill_chunk` tokens per loop
+    step (0 or more than the bucket: the whole bucket). ValueError before anything runs for
+    settings that cannot run: slots or page size < 1, a negative chunk, a device pool too
+    small for one prompt and one sequence of the largest budget."""
     S, ps = int(num_slots), int(page_size)
     if S < 0 or ps < 1:
         raise ValueError(f"num_slots={num_slots} must be >= 0 and page_size={page_size} >= 1")
+    if int(prefill_chunk) < 0:
+        raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: whole prompts)")
     lay = row_layout(num_prompts, num_samples, num_devices)
     D, R = num_devices, int(max_new_tokens)
     Sd = -(-S // D) if S else default_slots(lay.rows_per_device)
@@ -501,8 +552,9 @@ def call_shape(num_prompts: int, prompt_len: int, num_samples: int, max_new_toke
                          f"each {NPd}: cannot hold one sequence of the largest budget {R} "
                          f"({largest} pages) beside its prompt ({Wq} pages of a "
                          f"{prompt_len}-token bucket)")
+    chunk = min(int(prefill_chunk), int(prompt_len)) if prefill_chunk else int(prompt_len)
     return CallShape(Pd, prompt_len, lay.rows_per_device, R, Sd, ps, NPd,
-                     min(num_samples, lay.rows_per_device))
+                     min(num_samples, lay.rows_per_device), chunk)
 
 
 def _stats(out: dict, cs: CallShape, D: int) -> EngineStats:
@@ -535,6 +587,7 @@ def generate(
     num_slots: int = 0,
     page_size: int = 16,
     num_pages: int = 0,
+    prefill_chunk: int = 512,
     mesh: Mesh | None = None,
     return_stats: bool = False,
 ):
@@ -542,15 +595,17 @@ def generate(
     `EngineStats` with `return_stats`). `max_new_tokens`: an int, one budget per prompt or
     one per row; the Rollout's arrays are as wide as the largest. With `mesh`, rows are split
     over its (data, fsdp) axes, each device running its own engine (`engine_fn`);
-    `num_slots` and `num_pages` are the call's, split evenly (`call_shape`). Bad settings are
-    a ValueError before anything runs."""
+    `num_slots` and `num_pages` are the call's, split evenly, and prompts are prefilled
+    `prefill_chunk` tokens per loop step (`call_shape`). Bad settings are a ValueError before
+    anything runs."""
     eos, pad, config, prompt_PT, pmask_PT = sampler.prepare_request(
         prompts, eos_ids, pad_id, temperature, top_k, top_p)
     P, G = len(prompts), int(num_samples)
     budget_B = row_budgets(max_new_tokens, P, G)
     out, st = run_call(model, prompt_PT, pmask_PT, budget_B, np.arange(P * G, dtype=np.int32),
                        key, num_samples=G, config=config, eos_E=eos, pad_id=pad,
-                       num_slots=num_slots, page_size=page_size, num_pages=num_pages, mesh=mesh)
+                       num_slots=num_slots, page_size=page_size, num_pages=num_pages,
+                       prefill_chunk=prefill_chunk, mesh=mesh)
     ro = sampler.to_rollout(out, prompt_PT, pmask_PT, G)
     return (ro, st) if return_stats else ro
 
@@ -558,7 +613,7 @@ def generate(
 def run_call(model, prompt_PT: np.ndarray, prompt_mask_PT: np.ndarray, budget_B: np.ndarray,
              sid_B: np.ndarray, key, *, num_samples: int, config: sampler.SamplingConfig,
              eos_E: np.ndarray, pad_id: int, num_slots: int = 0, page_size: int = 16,
-             num_pages: int = 0, mesh: Mesh | None = None,
+             num_pages: int = 0, prefill_chunk: int = 512, mesh: Mesh | None = None,
              width: int = 0) -> tuple[dict, EngineStats]:
     """One engine call on P left-padded prompts x G samples -> (host arrays of the P*G rows:
     `sampler.ROLLOUT_ARRAYS`, EngineStats). Row b's tokens are drawn with the keys of sample
@@ -567,15 +622,14 @@ def run_call(model, prompt_PT: np.ndarray, prompt_mask_PT: np.ndarray, budget_B:
     P, G = len(prompt_PT), int(num_samples)
     D = row_devices(mesh)
     cs = call_shape(P, prompt_PT.shape[1], G, max(int(width), int(budget_B.max())),
-                    num_slots=num_slots, page_size=page_size, num_pages=num_pages, num_devices=D)
+                    num_slots=num_slots, page_size=page_size, num_pages=num_pages, num_devices=D,
+                    prefill_chunk=prefill_chunk)
     lay = row_layout(P, G, D)
     pad_rows = D * lay.rows_per_device - lay.rows
     budget_Bp = np.concatenate([budget_B, np.ones(pad_rows, np.int32)]).astype(np.int32)
     sid_Bp = np.concatenate([sid_B, np.full(pad_rows, -1)]).astype(np.int32)
     graphdef, state = nnx.split(model)
-    run = engine_fn(graphdef, cs.prompts_per_device, cs.prompt_len, cs.rows_per_device,
-                    cs.max_new_tokens, cs.slots_per_device, cs.page_size, cs.pages_per_device,
-                    cs.rows_per_prompt, config, mesh)
+    run = engine_fn(graphdef, cs, config, mesh)
     out = jax.device_get(run(state, prompt_PT[lay.prompt_index],
                              prompt_mask_PT[lay.prompt_index], lay.row_prompt, sid_Bp, budget_Bp,
                              key, eos_E, np.int32(pad_id)))

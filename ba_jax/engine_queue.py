@@ -47,7 +47,8 @@ class Engine:
     """Queue of prompts sampled `num_samples` times each through `engine.run_call`.
 
     `prompts_per_call` prompts of one bucket go into each call (memory: their prompt caches
-    and pages; see `engine.call_shape` for `num_slots`, `page_size`, `num_pages`). With `mesh`
+    and pages; see `engine.call_shape` for `num_slots`, `page_size`, `num_pages`,
+    `prefill_chunk`). With `mesh`
     the rows of a call are split over its (data, fsdp) devices; hand it decode weights
     (`engine.decode_copy`). Settings that cannot run are a ValueError here, not mid-queue.
     """
@@ -56,7 +57,7 @@ class Engine:
                  eos_ids: Sequence[int], pad_id: int | None = None, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, prompts_per_call: int = 32,
                  num_slots: int = 0, page_size: int = 16, num_pages: int = 0,
-                 mesh: Mesh | None = None):
+                 prefill_chunk: int = 512, mesh: Mesh | None = None):
         self.model, self.key, self.mesh = model, key, mesh
         self.G, self.R, self.Pc = int(num_samples), int(max_new_tokens), int(prompts_per_call)
         if self.G < 1 or self.R < 1 or self.Pc < 1:
@@ -64,7 +65,8 @@ class Engine:
                              f"prompts_per_call={prompts_per_call} must be >= 1")
         self.eos, self.pad, self.config, _, _ = sampler.prepare_request(
             [[0]], eos_ids, pad_id, temperature, top_k, top_p)
-        self.options = dict(num_slots=num_slots, page_size=page_size, num_pages=num_pages)
+        self.options = dict(num_slots=num_slots, page_size=page_size, num_pages=num_pages,
+                            prefill_chunk=prefill_chunk)
         self.check(16)  # raises now for a pool too small for the smallest bucket, bad slots
         self.queue: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self.requests: dict[int, tuple[list[int], int]] = {}

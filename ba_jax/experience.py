@@ -60,7 +60,7 @@ def _round(policy, prompt_ids, truths, *, cfg, key, tokenizer, scorer, eos_ids, 
         ro = sampler.generate_static(policy, prompt_ids, **kw)
     else:  # the rollout engine: continuous batching over a paged cache
         ro = sampler.generate(policy, prompt_ids, num_slots=r.num_slots, page_size=r.page_size,
-                              num_pages=r.kv_pages, **kw)
+                              num_pages=r.kv_pages, prefill_chunk=r.prefill_chunk, **kw)
     tokens_BR = np.asarray(ro.tokens)
     lengths_B = np.asarray(ro.lengths)
     t1 = time.perf_counter()

@@ -123,7 +123,8 @@ def _per_dev(rows: int, dp: int) -> int:
 #   kv_cache      2 L K H (B R + P Tp)   the decode cache and the shared prompt cache; the
 #                                        engine's: its page pool (prompts' pages too),
 #                                        2 L K H pages x page_size
-#   prefill       P Tp (D + F)           one layer's prefill working set
+#   prefill       P Tp (D + F)           one layer's prefill working set (the engine's: one
+#                                        chunk of one prompt, rollout.prefill_chunk tokens)
 #   decode_vocab  B V/t                  one decode step's logits and sampling arrays (the
 #                                        engine's: its S slots)
 #   head_weight   V D/t
@@ -176,9 +177,8 @@ def memory_features(p: dict, kind: str) -> dict[str, float]:
                     layer_kv=layers * bT * 2 * _tp(K, t) * H, head_weight=head_weight,
                     head_chunk=s["microbatch_rows_per_device"] * s["head_chunk"] * _tp(V, t))
     if kind == "sample":
-        P = s["sample_prompts_per_device"]
         return dict(kv_cache=2 * L * _tp(K, t) * H * s["kv_tokens"],
-                    prefill=P * s["prompt_bucket"] * (D + _tp(F, t)),
+                    prefill=s["prefill_tokens"] * (D + _tp(F, t)),
                     decode_vocab=s["decode_rows"] * _tp(V, t), head_weight=head_weight)
     raise ValueError(f"kind={kind!r}; valid: train, sample")
 
@@ -345,15 +345,17 @@ def sample_shape(cfg: Any, row_devices: int) -> dict:
     if r.engine == "static":
         B, Pd = _per_dev(Pg * G, row_devices), _per_dev(Pg, row_devices)
         return dict(sample_rows_per_device=B, sample_prompts_per_device=Pd,
-                    kv_tokens=B * R + Pd * Tp, decode_rows=B)
+                    kv_tokens=B * R + Pd * Tp, decode_rows=B, prefill_tokens=Pd * Tp)
     cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
-                           num_pages=r.kv_pages, num_devices=row_devices)
+                           num_pages=r.kv_pages, num_devices=row_devices,
+                           prefill_chunk=r.prefill_chunk)
     return dict(sample_rows_per_device=cs.rows_per_device,
                 sample_prompts_per_device=cs.prompts_per_device,
                 kv_tokens=cs.pages_per_device * cs.page_size,  # prompts are in the pool
                 decode_rows=cs.slots_per_device, slots_per_device=cs.slots_per_device,
                 pages_per_device=cs.pages_per_device, fixed_pool=bool(r.kv_pages),
                 page_size=cs.page_size, slot_pages=engine.pages_for(R, cs.page_size),
+                prefill_tokens=cs.prefill_chunk,  # one chunk of one prompt per loop step
                 prompt_pages=engine.prompt_pages(Tp, cs.page_size))
 
 
@@ -457,10 +459,9 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     else:
         D = engine.row_devices(mesh)
         cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
-                               num_pages=r.kv_pages, num_devices=D)
-        run = engine.engine_fn(graphdef, cs.prompts_per_device, Tp, cs.rows_per_device, R,
-                               cs.slots_per_device, cs.page_size, cs.pages_per_device,
-                               cs.rows_per_prompt, config, mesh)
+                               num_pages=r.kv_pages, num_devices=D,
+                               prefill_chunk=r.prefill_chunk)
+        run = engine.engine_fn(graphdef, cs, config, mesh)
         rows = NamedSharding(mesh, PartitionSpec(sharding.row_axes(mesh)))
         Pn, Bn = D * cs.prompts_per_device, D * cs.rows_per_device
         args = ((copy,) + tuple(jax.ShapeDtypeStruct(s, i32, sharding=rows)

@@ -152,6 +152,8 @@ def validate(cfg: Any, num_devices: int) -> None:
     require(r.num_slots >= 0, f"config.rollout.num_slots={r.num_slots} must be >= 0 "
             "(0: a quarter of each row device's rows)")
     require(r.page_size >= 1, f"config.rollout.page_size={r.page_size} must be >= 1")
+    require(r.prefill_chunk >= 0, f"config.rollout.prefill_chunk={r.prefill_chunk} must be "
+            ">= 0 (0: whole prompts)")
     if r.engine == "ba_jax" and r.kv_pages:
         from ba_jax import sampler
 

@@ -363,7 +363,8 @@ def generate(
 ) -> Rollout:
     """Samples `num_samples` responses per prompt (temperature 0: greedy) -> host Rollout,
     through the rollout engine (`engine.generate`: continuous batching over a paged cache;
-    `engine_options` are its `num_slots`, `page_size`, `num_pages`, `return_stats`).
+    `engine_options` are its `num_slots`, `page_size`, `num_pages`, `prefill_chunk`,
+    `return_stats`).
 
     `max_new_tokens`: an int, one budget per prompt [P] or one per row [P*G]; the Rollout is
     as wide as the largest. `pad_id` (default: the first EOS id, as Hugging Face does) fills

@@ -101,8 +101,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              vllm_python="", vllm_enforce_eager=False, vllm_logprobs="recompute",
              # Engine decode slots per sampler call, split evenly over the row devices (0: a
              # quarter of each device's rows); page_size: tokens per KV page; kv_pages:
-             # pages per call, split likewise (0: every slot's largest budget at once).
-             num_slots=0, page_size=16, kv_pages=0)
+             # pages per call, split likewise (0: every slot's largest budget at once);
+             # prefill_chunk: prompt tokens prefilled per engine loop step, between decode
+             # steps of the busy slots (0: a whole prompt bucket at once).
+             num_slots=0, page_size=16, kv_pages=0, prefill_chunk=512)
     )
     c.grpo = ml_collections.ConfigDict(
         dict(

@@ -15,8 +15,9 @@ from flax import nnx
 from ba_jax import engine, grpo
 from test_sampler import PROMPTS, _hf_greedy, _tiny
 
-# few slots and small pages, so samples queue for slots and cross page boundaries
-SMALL = dict(num_slots=5, page_size=4)
+# few slots and small pages, so samples queue for slots and cross page boundaries; prompts
+# (3, 9 and 20 tokens) prefilled 5 tokens per loop step, over the pages earlier chunks wrote
+SMALL = dict(num_slots=5, page_size=4, prefill_chunk=5)
 
 
 def test_greedy_matches_transformers_with_fewer_slots_than_rows(tmp_path_factory):
@@ -55,16 +56,18 @@ def test_logprobs_equal_the_trainers_with_per_row_budgets(tmp_path_factory):
 
 def test_same_rollouts_whatever_the_slots_and_pages(tmp_path_factory):
     """The key of token t of sample s is fold_in(fold_in(key, s), t): slot count, page size,
-    pool size and admission order do not change what is drawn; every page is free after the
-    drain (`engine.generate` raises otherwise)."""
+    pool size, prefill chunk and admission order do not change what is drawn; every page is
+    free after the drain (`engine.generate` raises otherwise)."""
     _, model = _tiny("qwen3", tmp_path_factory)
     kw = dict(num_samples=4, max_new_tokens=[12, 5, 9], temperature=1.0,
               key=jax.random.key(7), eos_ids=[2], return_stats=True)
     # the last pool holds one prompt (bucket 32: at most 11 pages of 3) and one sample (at
     # most 5 pages: its prompt's partial last page copied, then its 11 decoded tokens) at a
-    # time: prompts are prefilled inside the loop, one after the other, as pages free up
-    runs = [engine.generate(model, PROMPTS, num_slots=s, page_size=p, num_pages=n, **kw)
-            for s, p, n in ((12, 16, 0), (2, 3, 0), (3, 3, 16))]
+    # time: prompts are prefilled inside the loop, one after the other, as pages free up.
+    # Prefill: whole buckets (one forward), then chunks of 7 and 4 tokens.
+    runs = [engine.generate(model, PROMPTS, num_slots=s, page_size=p, num_pages=n,
+                            prefill_chunk=c, **kw)
+            for s, p, n, c in ((12, 16, 0, 0), (2, 3, 0, 7), (3, 3, 16, 4))]
     (a, sa), *rest = runs
     assert len(set(map(tuple, a.tokens.tolist()))) > 3  # the draws differ across rows
     for b, sb in rest:
@@ -88,6 +91,8 @@ def test_pool_too_small_and_bad_budgets_are_start_up_errors(tmp_path_factory):
         engine.generate(model, PROMPTS[:1], max_new_tokens=[4, 4, 4], **kw)
     with pytest.raises(ValueError, match=">= 1"):
         engine.generate(model, PROMPTS[:1], max_new_tokens=[4, 0], **kw)
+    with pytest.raises(ValueError, match="prefill_chunk=-1"):
+        engine.generate(model, PROMPTS[:1], max_new_tokens=4, prefill_chunk=-1, **kw)
 
 
 @pytest.mark.parametrize("overrides", [{"rollout.num_slots": 8, "rollout.page_size": 4},
@@ -209,17 +214,20 @@ def test_tpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("impl, platform, kernel", [
+@pytest.mark.parametrize("impl, platform, kernel, chunk", [
     # splash prefill and the paged-attention decode kernel
-    ("splash", "tpu", "paged_flash_attention_kernel"),
+    ("splash", "tpu", "paged_flash_attention_kernel", 0),
+    # chunked prefill (the gather path, any backend) beside the TPU decode kernel
+    ("splash", "tpu", "paged_flash_attention_kernel", 8),
     # the tensor axis stays XLA's inside the shard_map, so jax wraps the cuDNN call in its
     # custom partitioner (expanded by XLA on the GPU): the lowered text shows the wrapper
-    ("cudnn", "cuda", "@CustomSPMDPartitioning(")])
-def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel):
+    ("cudnn", "cuda", "@CustomSPMDPartitioning(", 0)])
+def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel, chunk):
     """The engine call the trainer makes on 8 devices (bf16 decode copy, rows over the mesh,
     each device's own while loop inside the shard_map) lowers for TPU and GPU with the
-    platform's prefill kernel; compiling it only happens on the hardware. The CPU jaxlib has
-    no CUDA plugin: jax's trace-time cuDNN version query is stood in for."""
+    platform's prefill kernel (whole buckets) or chunked prefill; compiling it only happens
+    on the hardware. The CPU jaxlib has no CUDA plugin: jax's trace-time cuDNN version query
+    is stood in for."""
     from unittest import mock
 
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
@@ -234,10 +242,8 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel):
     graphdef, params = build.init_policy(cfg, mesh)
     copy = engine.decode_copy(params, mesh, jnp.bfloat16)
     P, G, R, Tp = 4, 4, 8, 16
-    cs = engine.call_shape(P, Tp, G, R, num_devices=8)
-    run = engine.engine_fn(graphdef, cs.prompts_per_device, Tp, cs.rows_per_device, R,
-                           cs.slots_per_device, cs.page_size, cs.pages_per_device,
-                           cs.rows_per_prompt, sampler.SamplingConfig(), mesh)
+    cs = engine.call_shape(P, Tp, G, R, num_devices=8, prefill_chunk=chunk)
+    run = engine.engine_fn(graphdef, cs, sampler.SamplingConfig(), mesh)
     lay = engine.row_layout(P, G, 8)
     prompts = np.ones((len(lay.prompt_index), Tp), np.int32)
     rows = np.zeros(len(lay.row_prompt), np.int32)

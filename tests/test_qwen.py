@@ -114,6 +114,48 @@ def test_cached_decoding_equals_full_forward(model, dtype):
     np.testing.assert_allclose(np.asarray(logits_PTV)[real], ref_BTV[::G, :Tp][real], atol=atol)
 
 
+def test_chunked_paged_prefill_and_paged_decode_equal_full_forward(model):
+    """Two prompts of 11 and 6 tokens prefilled 4 tokens at a time into pages of 3 slots
+    (`prefill_chunk_paged`: each chunk over the pages its earlier chunks wrote), then two
+    tokens decoded per row over those pages (`decode_step_paged`, the gather path: it writes
+    every layer's keys after its layer scan) equal one full forward: the logits of every
+    position and the keys/values in the pages."""
+    n_B, C, ps, new = np.array([11, 6]), 4, 3, 2
+    B, T = 2, 11 + new
+    tok_BT = np.asarray(_tokens((B, T), seed=5))
+    ref_BTV, ref_kv = jax.jit(lambda m, t: m(t, return_kv=True))(model, jnp.asarray(tok_BT))
+    ref_BTV = np.asarray(ref_BTV)
+    NP = 16
+    table_BQ = np.array([[3, 0, 7, 12, 5], [9, 1, 14, 2, 16]])  # 16 = NP: no page
+    pool = qwen.PagePool.zeros(TINY, NP, ps, jnp.float32)
+    chunk = jax.jit(lambda m, *a: m.prefill_chunk_paged(*a))
+    for start in range(0, 11, C):
+        valid_BC = start + np.arange(C)[None] < n_B[:, None]
+        x_BCD, pool = chunk(model, jnp.asarray(tok_BT[:, start:start + C]), jnp.asarray(valid_BC),
+                            pool, jnp.asarray(table_BQ), jnp.full((B,), start, jnp.int32))
+        got_BCV = np.asarray(jax.jit(lambda m, x: m.logits(x))(model, x_BCD))
+        for b in range(B):
+            k = int(valid_BC[b].sum())
+            np.testing.assert_allclose(got_BCV[b, :k], ref_BTV[b, start:start + k], atol=1e-5)
+    step = jax.jit(lambda m, *a: m.decode_step_paged(*a))
+    for t in range(new):
+        pos_B = n_B + t  # row 1 continues its 6-token prompt with tokens 6, 7 of its row
+        logits_BV, pool = step(model, jnp.asarray(tok_BT[np.arange(B), pos_B]),
+                               jnp.asarray(pos_B), pool, jnp.asarray(table_BQ),
+                               jnp.asarray(pos_B + 1), jnp.asarray(table_BQ[np.arange(B),
+                                                                            pos_B // ps]),
+                               jnp.asarray(pos_B % ps))
+        np.testing.assert_allclose(np.asarray(logits_BV), ref_BTV[np.arange(B), pos_B],
+                                   atol=1e-5)
+    L = TINY.num_layers
+    for b in range(B):
+        for j in range(n_B[b] + new):
+            p, o = table_BQ[b, j // ps], j % ps
+            for side, ref in ((pool.k, ref_kv.k_LBSKH), (pool.v, ref_kv.v_LBSKH)):
+                got_LKH = np.asarray(side)[:, np.arange(L) * NP + p, o].swapaxes(0, 1)
+                np.testing.assert_allclose(got_LKH, np.asarray(ref)[:, b, j], atol=1e-5)
+
+
 def _unrolled_logits(m: qwen.Qwen, tokens_BT):
     """The reference the scan must equal: each layer's parameters sliced out of the stack and
     applied one after the other in a Python loop."""

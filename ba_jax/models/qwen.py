@@ -352,18 +352,28 @@ class Attention(nnx.Module):
 
 
     def decode_paged(self, x_B1D, sin_B1H, cos_B1H, pool, write, table_BX, lengths_B, impl):
-        """One new token per row over a paged cache (`PagePool` layout of one layer's view:
-        [K, pages, page, H]): its key/value written at `write` = (page_B, offset_B) first
-        (page ids out of range: not written), then attended with the row's table ->
-        (out, (k_pool, v_pool))."""
+        """One new token per row over a paged cache (`PagePool`) -> (out, pool, (k_BKH,
+        v_BKH)). With `write` = (page_B, offset_B), its key/value are written there first
+        (ids out of range: not written) and attended from the pool; with write None, the
+        pool is only read and they are attended as `new_kv`, for the caller to write."""
         q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, sin_B1H, cos_B1H)
-        page_B, off_B = write
-        put = lambda buf, new_BKH: buf.at[:, page_B, off_B].set(  # noqa: E731
-            jnp.swapaxes(new_BKH, 0, 1).astype(buf.dtype), mode="drop")
-        k_pool, v_pool = put(pool[0], k_B1KH[:, 0]), put(pool[1], v_B1KH[:, 0])
-        o_BNH = attention_lib.paged_decode_attention(q_B1NH[:, 0], k_pool, v_pool, table_BX,
-                                                     lengths_B, impl=impl)
-        return self.o_proj(o_BNH[:, None]), (k_pool, v_pool)
+        kv = (k_B1KH[:, 0], v_B1KH[:, 0])
+        if write is not None:
+            pool = pool.write(*write, *kv)
+        o_BNH = attention_lib.paged_decode_attention(
+            q_B1NH[:, 0], pool.k, pool.v, table_BX, lengths_B, impl=impl,
+            new_kv=None if write is not None else kv)
+        return self.o_proj(o_BNH[:, None]), pool, kv
+
+
+    def chunk_paged(self, x_BCD, sin_BCH, cos_BCH, pool, table_BQ, start_B, valid_BC):
+        """A chunk of tokens per row after its paged prefix (`attention.paged_chunk_attention`;
+        the pool only read) -> (out, (k_BCKH, v_BCKH)), the chunk's keys for the caller to
+        write."""
+        q_BCNH, k_BCKH, v_BCKH = self._qkv(x_BCD, sin_BCH, cos_BCH)
+        o_BCNH = attention_lib.paged_chunk_attention(q_BCNH, k_BCKH, v_BCKH, pool.k, pool.v,
+                                                     table_BQ, start_B, valid_BC)
+        return self.o_proj(sharding.constrain(o_BCNH, _Q_AXES)), (k_BCKH, v_BCKH)
 
 
 class MLP(nnx.Module):
@@ -400,11 +410,18 @@ class DecoderLayer(nnx.Module):
                                   _X_AXES), kv
 
     def decode_paged(self, x_B1D, sin_B1H, cos_B1H, pool, write, table_BX, lengths_B, impl):
-        h_B1D, pool = self.self_attn.decode_paged(self.input_layernorm(x_B1D), sin_B1H,
-                                                  cos_B1H, pool, write, table_BX, lengths_B,
-                                                  impl)
+        h_B1D, pool, kv = self.self_attn.decode_paged(self.input_layernorm(x_B1D), sin_B1H,
+                                                      cos_B1H, pool, write, table_BX,
+                                                      lengths_B, impl)
         x_B1D = x_B1D + h_B1D
-        return x_B1D + self.mlp(self.post_attention_layernorm(x_B1D)), pool
+        return x_B1D + self.mlp(self.post_attention_layernorm(x_B1D)), pool, kv
+
+    def chunk_paged(self, x_BCD, sin_BCH, cos_BCH, pool, table_BQ, start_B, valid_BC):
+        h_BCD, kv = self.self_attn.chunk_paged(self.input_layernorm(x_BCD), sin_BCH, cos_BCH,
+                                               pool, table_BQ, start_B, valid_BC)
+        x_BCD = sharding.constrain(x_BCD + h_BCD, _X_AXES)
+        return sharding.constrain(x_BCD + self.mlp(self.post_attention_layernorm(x_BCD)),
+                                  _X_AXES), kv
 
     def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
         h_B1D, kv = self.self_attn.decode(self.input_layernorm(x_B1D), sin_B1H, cos_B1H, k_BSKH,
@@ -445,6 +462,15 @@ class PagePool:
     def zeros(config: ModelConfig, num_pages: int, page_size: int, dtype) -> PagePool:
         shape = (config.num_kv_heads, config.num_layers * num_pages, page_size, config.head_dim)
         return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def write(self, page_S, offset_S, k_SKH, v_SKH) -> PagePool:
+        """Keys/values of any batch shape S written at pool page `page_S` (ids out of range
+        are dropped: not written), slot `offset_S`, in one scatter per side."""
+        def put(buf, new_SKH):
+            new_KSH = jnp.moveaxis(new_SKH, -2, 0).astype(buf.dtype)
+            return buf.at[:, page_S, offset_S].set(new_KSH, mode="drop")
+
+        return PagePool(put(self.k, k_SKH), put(self.v, v_SKH))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -582,17 +608,51 @@ class Qwen(nnx.Module):
         x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(body, self._embed(tokens_B[:, None]), xs)
         return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
 
+    def prefill_chunk_paged(self, tokens_BC: jax.Array, valid_BC: jax.Array, pool: PagePool,
+                            page_table_BQ: jax.Array, start_B: jax.Array):
+        """Chunked prefill over a paged cache: row b's chunk holds its tokens start_B[b],
+        start_B[b] + 1, ... (those with valid_BC, a prefix of the chunk), after its first
+        start_B[b] tokens cached in its pages `page_table_BQ[b]` (ids < NP, the pages per
+        layer) read in order -> (final hidden states x_BCD before the norm, for `logits`;
+        the pool with the chunk's keys/values written at their positions in those pages).
+        Prefilling a sequence chunk by chunk gives the keys and last logits of one full
+        forward (`__call__`). The pool is read in the layer scan and written once after it.
+        """
+        L = self.config.num_layers
+        NP = pool.k.shape[1] // L
+        C = tokens_BC.shape[1]
+        valid_BC = valid_BC.astype(bool)
+        pos_BC = start_B[:, None] + jnp.arange(C)[None]
+        sin_BCH, cos_BCH = _rope_tables(pos_BC, self.config.head_dim, self.config.rope_theta)
+        page_table_BQ = jnp.where(page_table_BQ < NP, page_table_BQ, 0)
+        page_BC = jnp.take_along_axis(page_table_BQ, pos_BC // pool.k.shape[2], axis=1,
+                                      mode="clip")
+        page_LBC = jnp.where(valid_BC, jnp.arange(L)[:, None, None] * NP + page_BC, L * NP)
+        offset_LBC = jnp.broadcast_to(pos_BC % pool.k.shape[2], page_LBC.shape)
+
+        def body(layer, x_BCD, layer_ix):
+            return layer.chunk_paged(x_BCD, sin_BCH, cos_BCH, pool,
+                                     page_table_BQ + layer_ix * NP, start_B, valid_BC)
+
+        x_BCD, (k_LBCKH, v_LBCKH) = self._scan_layers(body, self._embed(tokens_BC),
+                                                      jnp.arange(L))
+        return x_BCD, pool.write(page_LBC, offset_LBC, k_LBCKH, v_LBCKH)
+
     def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array, pool: PagePool,
                           page_table_BX: jax.Array, lengths_B: jax.Array,
                           write_page_B: jax.Array, write_offset_B: jax.Array):
         """One new token per decode slot over a paged cache -> (logits_BV float32, the pool
         with the new keys/values written).
 
-        Per layer, row b's key/value go to page `write_page_B[b]` (a page id < NP, the pages
-        per layer; NP: not written) at `write_offset_B[b]`, then the token attends to the
-        first `lengths_B[b]` tokens of its pages `page_table_BX[b]` read in order (its
-        prompt's full pages, shared with the prompt's other rows, then its own), itself
-        included. `pool` is a `PagePool`; the kernel is `attention.paged_impl`'s.
+        Row b's key/value of each layer go to its page `write_page_B[b]` (a page id < NP,
+        the pages per layer; NP: not written) at `write_offset_B[b]`, and the token attends
+        to the first `lengths_B[b]` tokens of its pages `page_table_BX[b]` read in order (its
+        prompt's full pages, shared with the prompt's other rows, then its own), itself the
+        last. `pool` is a `PagePool`; the kernel is `attention.paged_impl`'s. A kernel that
+        reads the new key from the pool (`attention.paged_writes_first`) has each layer
+        write before it attends, the pool carried through the layer scan; the gather path
+        only reads the pool in the scan and writes every layer's keys in one scatter after
+        it (one pool update per step, not one per layer).
         """
         L = self.config.num_layers
         NP = pool.k.shape[1] // L
@@ -601,17 +661,30 @@ class Qwen(nnx.Module):
         sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
                                         self.config.rope_theta)
         page_table_BX = jnp.where(page_table_BX < NP, page_table_BX, 0)
-        writes_B = write_page_B < NP
+        # layer l's pages are l * NP + p; rows that do not write get an id past the pool
+        write_page_LB = jnp.where(write_page_B < NP, jnp.arange(L)[:, None] * NP + write_page_B,
+                                  L * NP)
+        write_offset_LB = jnp.broadcast_to(write_offset_B, write_page_LB.shape)
+        x_B1D = self._embed(tokens_B[:, None])
 
-        def body(layer, carry, layer_ix):
-            x_B1D, k_pool, v_pool = carry
-            base = layer_ix * NP  # the layer's pages in the pool
-            write = (jnp.where(writes_B, base + write_page_B, L * NP), write_offset_B)
-            x_B1D, (k_pool, v_pool) = layer.decode_paged(
-                x_B1D, sin_B1H, cos_B1H, (k_pool, v_pool), write, page_table_BX + base,
-                lengths_B, impl)
-            return (x_B1D, k_pool, v_pool), None
+        if attention_lib.paged_writes_first(impl):
+            def body(layer, carry, xs_l):
+                x_B1D, pool = carry
+                layer_ix, write = xs_l
+                x_B1D, pool, _ = layer.decode_paged(x_B1D, sin_B1H, cos_B1H, pool, write,
+                                                    page_table_BX + layer_ix * NP, lengths_B,
+                                                    impl)
+                return (x_B1D, pool), None
 
-        (x_B1D, k_pool, v_pool), _ = self._scan_layers(
-            body, (self._embed(tokens_B[:, None]), pool.k, pool.v), jnp.arange(L))
-        return self.logits(x_B1D)[:, 0], PagePool(k_pool, v_pool)
+            xs = (jnp.arange(L), (write_page_LB, write_offset_LB))
+            (x_B1D, pool), _ = self._scan_layers(body, (x_B1D, pool), xs)
+        else:
+            def body(layer, x_B1D, layer_ix):
+                x_B1D, _, kv = layer.decode_paged(x_B1D, sin_B1H, cos_B1H, pool, None,
+                                                  page_table_BX + layer_ix * NP, lengths_B,
+                                                  impl)
+                return x_B1D, kv
+
+            x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(body, x_B1D, jnp.arange(L))
+            pool = pool.write(write_page_LB, write_offset_LB, k_LBKH, v_LBKH)
+        return self.logits(x_B1D)[:, 0], pool
