@@ -23,7 +23,8 @@ estimate (`ba_jax.plan.plan`, fitted to XLA:CPU compiles).
 Before the step, `--seam_check` (on by default) runs the kernel seam on the device: every
 implementation the device offers (cudnn on a GPU, chunked everywhere) against the xla reference,
 values and gradients, bf16, GQA, a left-padded row, T = 1,024; it prints the largest
-differences relative to the reference's scale (bf16 resolution is ~4e-3).
+differences relative to the reference's scale (bf16 resolution is ~4e-3); then the engine's
+paged decode attention, the Triton kernel against the gather path (`check_paged`).
 
 Without an NVIDIA GPU it prints a message and exits 0. `--force_cpu --preset=""` runs the
 code path on CPU with the tiny default model (for checking the script, not for numbers).
@@ -188,6 +189,49 @@ def check_seam(devices) -> None:
                 for a, b in zip(got, ref)]
         print(f"seam {impl} vs xla (bf16, T={T}, GQA {N}/{K}, left pad): max |diff| / max |ref| "
               f"out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, dv {errs[3]:.1e}")
+    if dev.platform == "gpu":
+        check_paged(dev)
+
+
+def check_paged(dev) -> None:
+    """The engine's decode attention on this GPU: jax's Triton paged-attention kernel
+    (`pallas_gpu`, what the engine picks in bf16 on a GPU) against the gather path (`xla`):
+    64 rows over a shared pool, lengths spread from 1 to 4,096 (pages of 16, tables of 256
+    pages), bf16, GQA 16/8, head 128: largest difference relative to the output's scale and
+    the time per call of each (median of 20, after a compile), as a ratio."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from ba_jax.models import attention
+
+    B, N, K, H, ps, X = 64, 16, 8, 128, 16, 256
+    NP = B * X
+    rng = np.random.default_rng(0)
+    q = jax.device_put(jnp.asarray(rng.normal(size=(B, N, H)), jnp.bfloat16), dev)
+    k, v = (jax.device_put(jnp.asarray(rng.normal(size=(K, NP, ps, H)), jnp.bfloat16), dev)
+            for _ in range(2))
+    table = jax.device_put(jnp.asarray(rng.permutation(NP).reshape(B, X), jnp.int32), dev)
+    lengths = jax.device_put(jnp.asarray(np.linspace(1, X * ps, B).astype(np.int32)), dev)
+    out, secs = {}, {}
+    for impl in ("xla", "pallas_gpu"):
+        fn = jax.jit(lambda *a, impl=impl: attention.paged_decode_attention(*a, impl=impl))
+        try:
+            out[impl] = np.asarray(fn(q, k, v, table, lengths), np.float32)
+        except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
+            print(f"paged decode {impl}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            return
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn(q, k, v, table, lengths).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        secs[impl] = float(np.median(ts))
+    err = float(np.abs(out["pallas_gpu"] - out["xla"]).max() / np.abs(out["xla"]).max())
+    print(f"paged decode pallas_gpu vs xla (bf16, {B} rows, lengths 1-{X * ps}, GQA {N}/{K}): "
+          f"max |diff| / max |ref| {err:.1e}; {secs['pallas_gpu'] * 1e3:.2f} ms vs "
+          f"{secs['xla'] * 1e3:.2f} ms per call ({secs['xla'] / secs['pallas_gpu']:.2f}x)")
 
 
 def main(argv=None) -> None:

@@ -410,11 +410,52 @@ def test_paged_decode_attention_gather_and_tpu_kernel():
     np.testing.assert_allclose(np.asarray(tpu16, np.float32), truth, atol=3e-2, rtol=0)
 
 
+def test_paged_gpu_kernel_in_the_interpreter():
+    """jax's GPU (Triton) paged-attention kernel, run by the Pallas interpreter
+    (`gpu_interpret`), matches the float64 reference: several pages per block, split-K
+    partitions (the table padded to whole blocks and partitions), rows of one token and of
+    the whole table; in bf16 to bf16 rounding."""
+    q, k, v, table, lengths = paged_inputs(F32)
+    want = paged_reference(q, k, v, np.asarray(table), np.asarray(lengths))
+    with A.gpu_interpret():
+        for ppb in (1, 2, 8):
+            got = np.asarray(A.paged_decode_attention(q, k, v, table, lengths,
+                                                      impl="pallas_gpu", pages_per_block=ppb))
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+        q16, k16, v16 = (x.astype(BF16) for x in (q, k, v))
+        got16 = A.paged_decode_attention(q16, k16, v16, table, lengths, impl="pallas_gpu")
+    truth = paged_reference(q16, k16, v16, np.asarray(table), np.asarray(lengths))
+    assert got16.dtype == BF16
+    np.testing.assert_allclose(np.asarray(got16, np.float32), truth, atol=3e-2, rtol=0)
+    with pytest.raises(ValueError, match="write it first"):
+        A.paged_decode_attention(q, k, v, table, lengths, impl="pallas_gpu",
+                                 new_kv=(k[:, 0, 0].T, v[:, 0, 0].T))
+
+
+@pytest.mark.parametrize("use_mesh", [False, True])
+def test_paged_gpu_kernel_lowers_for_cuda(use_mesh):
+    """The Triton kernel lowers for platform cuda (compiling it needs a GPU); under a
+    data x fsdp x tensor mesh it runs in a shard_map like the TPU kernel."""
+    B, N, K, H, NP, ps, X = 8, 8, 2, 128, 64, 16, 6
+    q = jax.ShapeDtypeStruct((B, N, H), BF16)
+    pool = jax.ShapeDtypeStruct((K, NP, ps, H), BF16)
+    table = jax.ShapeDtypeStruct((B, X), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
+    fn = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="pallas_gpu", pages_per_block=4))
+    with jax.set_mesh(_mesh()) if use_mesh else contextlib.nullcontext():
+        text = fn.trace(q, pool, pool, table, lengths).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "paged_attention" in text
+    assert ("sdy.manual_computation" in text) == use_mesh
+
+
 def test_paged_impl_follows_the_prefill_kernel():
     assert A.paged_impl("splash", dtype=BF16, head_dim=128) == "pallas_tpu"
     assert A.paged_impl("splash", dtype=BF16, head_dim=64) == "xla"  # not whole lane tiles
     assert A.paged_impl("xla", dtype=F32, head_dim=128) == "xla"
-    assert A.paged_impl("cudnn", dtype=BF16, head_dim=128) == "xla"
+    assert A.paged_impl("cudnn", dtype=BF16, head_dim=128) == "pallas_gpu"
+    assert A.paged_impl("cudnn", dtype=BF16, head_dim=128, page_size=12) == "xla"  # Triton
+    assert A.paged_impl("cudnn", dtype=BF16, head_dim=80) == "xla"  # blocks: powers of two
     assert A.paged_impl("auto", dtype=F32, head_dim=128) == "xla"  # on this CPU
 
 

@@ -214,15 +214,42 @@ def test_tpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("impl, platform, kernel, chunk", [
+def test_gpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
+    """model.attention=cudnn (what `auto` picks on a GPU in bf16): decode through jax's
+    Triton paged-attention kernel, run by the Pallas interpreter inside the engine's loop,
+    prompts prefilled in chunks (the gather path: cuDNN itself has no CPU build). Greedy
+    tokens and log-probs are the gather path's."""
+    import dataclasses
+
+    from ba_jax.models import attention
+
+    _, model = _tiny("qwen3", tmp_path_factory)
+    kw = dict(num_samples=2, max_new_tokens=[7, 5], temperature=0.0, key=jax.random.key(0),
+              eos_ids=[2], num_slots=3, page_size=4, prefill_chunk=4)
+    want = engine.generate(model, PROMPTS[:2], **kw)
+    graphdef, state = nnx.split(model)
+    gpu = nnx.merge(graphdef, state)
+    gpu.config = dataclasses.replace(model.config, attention="cudnn")
+    assert attention.paged_impl("cudnn", dtype=gpu.dtype, head_dim=gpu.config.head_dim,
+                                page_size=4) == "pallas_gpu"
+    with attention.gpu_interpret():
+        got = engine.generate(gpu, PROMPTS[:2], **kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("impl, platform, kernels, chunk", [
     # splash prefill and the paged-attention decode kernel
-    ("splash", "tpu", "paged_flash_attention_kernel", 0),
+    ("splash", "tpu", ("paged_flash_attention_kernel",), 0),
     # chunked prefill (the gather path, any backend) beside the TPU decode kernel
-    ("splash", "tpu", "paged_flash_attention_kernel", 8),
+    ("splash", "tpu", ("paged_flash_attention_kernel",), 8),
     # the tensor axis stays XLA's inside the shard_map, so jax wraps the cuDNN call in its
-    # custom partitioner (expanded by XLA on the GPU): the lowered text shows the wrapper
-    ("cudnn", "cuda", "@CustomSPMDPartitioning(", 0)])
-def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel, chunk):
+    # custom partitioner (expanded by XLA on the GPU): the lowered text shows the wrapper;
+    # decode through the Triton paged-attention kernel
+    ("cudnn", "cuda", ("@CustomSPMDPartitioning(", "paged_attention_block_h"), 0),
+    ("cudnn", "cuda", ("paged_attention_block_h",), 8)])
+def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernels, chunk):
     """The engine call the trainer makes on 8 devices (bf16 decode copy, rows over the mesh,
     each device's own while loop inside the shard_map) lowers for TPU and GPU with the
     platform's prefill kernel (whole buckets) or chunked prefill; compiling it only happens
@@ -253,4 +280,4 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernel, chu
         text = run.trace(copy, prompts, prompts, lay.row_prompt, rows, rows + R,
                          jax.random.key(0), np.array([2], np.int32), np.int32(0)).lower(
             lowering_platforms=(platform,)).as_text()
-    assert kernel in text and "stablehlo.while" in text
+    assert all(k in text for k in kernels) and "stablehlo.while" in text

@@ -14,14 +14,17 @@ semantics (see `attention`):
   splash   Pallas TPU splash attention, under shard_map when a mesh is in context.
 
 Decode over the rollout engine's paged cache (`paged_decode_attention`, implementation from
-`paged_impl`): a gather-based pure-JAX one everywhere, and on TPU (wherever the prefill runs
-splash) jax's Pallas paged-attention kernel, which reads only the pages a row holds.
+`paged_impl`): a gather-based pure-JAX one everywhere; on TPU (wherever the prefill runs
+splash) jax's Pallas TPU paged-attention kernel, and on a GPU in bf16 (wherever the prefill
+runs cuDNN) jax's Pallas GPU (Triton) one: both read only the pages below a row's length.
+Chunked prefill over the same pages: `paged_chunk_attention` (gather, any backend).
 
 Not here: RoPE (applied by the caller), the KV cache layout (sampler), projections.
 Shape letters as in the README, plus R = query heads per kv head (N = K * R); G is
 kept for samples per prompt, as elsewhere.
 """
 
+import contextlib
 import functools
 import math
 
@@ -496,16 +499,27 @@ def decode_attention(
 
 # ---------------------------------------------------------------- paged decode
 
-PAGED_IMPLS = ("xla", "pallas_tpu")
+PAGED_IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 
 
-def paged_impl(impl: str, *, dtype: jnp.dtype, head_dim: int) -> str:
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def paged_impl(impl: str, *, dtype: jnp.dtype, head_dim: int, page_size: int = 16) -> str:
     """The paged decode implementation that goes with a config value (`model.attention`):
     the TPU paged-attention Pallas kernel wherever the prefill runs splash (on TPU, or asked
     for by name) and the head fills whole 128-lane tiles (the kernel's blocks need it: every
-    Qwen2.5/Qwen3 model has 128), else the gather-based pure-JAX one."""
-    splash = resolve(impl, dtype=dtype, seq_len=1) == "splash"
-    return "pallas_tpu" if splash and head_dim % 128 == 0 else "xla"
+    Qwen2.5/Qwen3 model has 128); jax's GPU (Triton) paged-attention Pallas kernel wherever
+    the prefill runs cuDNN (on a GPU in bf16/fp16, or asked for by name), when heads and
+    pages have power-of-two sizes (Triton's block shapes; head >= 16); else the gather-based
+    pure-JAX one (float32 on a GPU included: Triton's dots may round f32 through tf32)."""
+    chosen = resolve(impl, dtype=dtype, seq_len=1)
+    if chosen == "splash":
+        return "pallas_tpu" if head_dim % 128 == 0 else "xla"
+    if chosen == "cudnn" and _pow2(head_dim) and head_dim >= 16 and _pow2(page_size):
+        return "pallas_gpu"
+    return "xla"
 
 
 def paged_decode_attention(
@@ -535,12 +549,14 @@ def paged_decode_attention(
     `jax.experimental.pallas.ops.tpu.paged_attention`, reading only the pages below each
     length (blocks of `pages_per_block` pages), its own token from the pool, under
     shard_map over rows and kv heads where a mesh splits them (Pallas kernels are not
-    auto-partitioned)."""
-    if impl == "pallas_tpu":
+    auto-partitioned); "pallas_gpu", `jax.experimental.pallas.ops.gpu.paged_attention`
+    (Triton), the same way (`gpu_interpret` runs it in the Pallas interpreter)."""
+    if impl in ("pallas_tpu", "pallas_gpu"):
         if new_kv is not None:
-            raise ValueError("the pallas_tpu paged kernel reads the row's own key from the "
+            raise ValueError(f"the {impl} paged kernel reads the row's own key from the "
                              "pool: write it first (paged_writes_first)")
-        return _paged_tpu(q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_block)
+        return _paged_kernel(impl, q_BNH, k_pool, v_pool, table_BX, lengths_B,
+                             pages_per_block)
     if impl != "xla":
         raise ValueError(f"paged decode impl must be one of {PAGED_IMPLS}, got {impl!r}")
     B, N, H = q_BNH.shape
@@ -572,7 +588,7 @@ def paged_writes_first(impl: str) -> bool:
     (so a decode step writes each layer's key before attending), or takes it as `new_kv`
     (so the step writes all layers' keys in one scatter after the layer scan: one update of
     the pool per step instead of one per layer)."""
-    return impl == "pallas_tpu"
+    return impl in ("pallas_tpu", "pallas_gpu")
 
 
 def paged_chunk_attention(
@@ -618,22 +634,54 @@ def paged_chunk_attention(
     return o_BCKRH.reshape(B, C, N, H).astype(dt)
 
 
-def _paged_tpu(q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_block):
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+_GPU_INTERPRET = [False]
 
+
+@contextlib.contextmanager
+def gpu_interpret():
+    """Within it, the pallas_gpu paged kernel runs in the Pallas interpreter (any backend:
+    how it is checked without a GPU), as `pltpu.force_tpu_interpret_mode` does for TPU."""
+    _GPU_INTERPRET[0] = True
+    try:
+        yield
+    finally:
+        _GPU_INTERPRET[0] = False
+
+
+def _paged_kernel(impl, q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_block):
     B, N, H = q_BNH.shape
     K = k_pool.shape[0]
     X = table_BX.shape[1]
+    ppb = max(1, min(pages_per_block, X))
+    if impl == "pallas_tpu":
+        from jax.experimental.pallas.ops.tpu import paged_attention as tpu_kernel
+
+        splits = 1
+
+        def call(q, k_pool, v_pool, table_BX, lengths_B):
+            return tpu_kernel.paged_attention(q, k_pool, v_pool, lengths_B, table_BX,
+                                              pages_per_compute_block=ppb)
+    else:
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+
+        # Triton takes power-of-two blocks: ppb pages (of a power-of-two size); the table is
+        # cut into `splits` partitions run in parallel and merged (split-K)
+        ppb = 1 << (ppb.bit_length() - 1)
+        splits = max(1, min(16, X // ppb))
+        interpret = _GPU_INTERPRET[0]
+
+        def call(q, k_pool, v_pool, table_BX, lengths_B):
+            return gpu_kernel.paged_attention(q, k_pool, v_pool, table_BX, lengths_B,
+                                              pages_per_compute_block=ppb, k_splits=splits,
+                                              interpret=interpret)
     # the kernel's blocks of pages must divide the table: pad it with page 0 (never read,
     # being past every length)
-    ppb = max(1, min(pages_per_block, X))
-    table_BX = jnp.pad(table_BX, ((0, 0), (0, -X % ppb)))
+    table_BX = jnp.pad(table_BX, ((0, 0), (0, -X % (ppb * splits))))
 
     def local(q_BNH, k_pool, v_pool, table_BX, lengths_B):
-        # the kernel has no scale argument: fold it into q (one extra rounding in bf16)
+        # the kernels have no scale argument: fold it into q (one extra rounding in bf16)
         q = (q_BNH.astype(_F32) / math.sqrt(H)).astype(q_BNH.dtype)
-        return paged_attention(q, k_pool, v_pool, lengths_B.astype(jnp.int32),
-                               table_BX.astype(jnp.int32), pages_per_compute_block=ppb)
+        return call(q, k_pool, v_pool, table_BX.astype(jnp.int32), lengths_B.astype(jnp.int32))
 
     mesh, split = _kernel_split(B, K)
     if split is None:

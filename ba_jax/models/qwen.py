@@ -657,7 +657,8 @@ class Qwen(nnx.Module):
         L = self.config.num_layers
         NP = pool.k.shape[1] // L
         impl = attention_lib.paged_impl(self.config.attention, dtype=self.dtype,
-                                        head_dim=self.config.head_dim)
+                                        head_dim=self.config.head_dim,
+                                        page_size=pool.k.shape[2])
         sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
                                         self.config.rope_theta)
         page_table_BX = jnp.where(page_table_BX < NP, page_table_BX, 0)
