@@ -7,6 +7,7 @@ estimate (`ba_jax.plan.plan`) and their ratio.
 
     python benchmarks/memory.py              # the paper cases (about 2 minutes on 2 cores)
     python benchmarks/memory.py --calibrate  # refit the planner's activation coefficients
+    python benchmarks/memory.py --dtype float32  # the same cases in float32 compute
 
 Cases (prompt bucket 2,048 + response, bf16 compute, f32 master weights, remat full):
   Qwen3-1.7B, fsdp=8, 2 rows per device per micro-batch, response 8,192 (target <= 16 GiB);
@@ -136,6 +137,9 @@ CASES = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calibrate", action="store_true", help="refit the planner's coefficients")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="compute dtype (model.dtype); float32 shows the programs without "
+                         "XLA:CPU's float32 copies of bfloat16 weights")
     args = ap.parse_args()
     if args.calibrate:
         calibrate()
@@ -145,7 +149,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     slope = {}
     for name, model, (fsdp, tensor), k, R in CASES:
-        cfg = paper_config(model, response=R)
+        cfg = paper_config(model, response=R, dtype=args.dtype)
         cfg.grpo.num_microbatches = k
         cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, fsdp, tensor
         n = fsdp * tensor
