@@ -193,7 +193,7 @@ def check_seam(devices) -> None:
         check_paged(dev)
 
 
-def check_paged(dev) -> None:
+def check_paged(dev, rows: int = 64, table_pages: int = 256) -> None:
     """The engine's decode attention on this GPU: jax's Triton paged-attention kernel
     (`pallas_gpu`, what the engine picks in bf16 on a GPU) against the gather path (`xla`):
     64 rows over a shared pool, lengths spread from 1 to 4,096 (pages of 16, tables of 256
@@ -206,7 +206,7 @@ def check_paged(dev) -> None:
 
     from ba_jax.models import attention
 
-    B, N, K, H, ps, X = 64, 16, 8, 128, 16, 256
+    B, N, K, H, ps, X = rows, 16, 8, 128, 16, table_pages
     NP = B * X
     rng = np.random.default_rng(0)
     q = jax.device_put(jnp.asarray(rng.normal(size=(B, N, H)), jnp.bfloat16), dev)
