@@ -213,18 +213,12 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
             mask_1T = lax.dynamic_index_in_dim(pmask_PT, p, 0)
             x_1TD, kv = model.hidden_states(row_T[None], jnp.maximum(jnp.cumsum(mask_1T, 1) - 1,
                                                                     0), mask_1T, return_kv=True)
-            src_X = jnp.clip(jnp.arange(Wq * ps) + Tp - len_P[p], 0, Tp - 1)
-            page_Q = st.pages_PQ[p]
-            dst_LQ = jnp.where(page_Q[None] < NP, jnp.arange(L)[:, None] * NP + page_Q[None],
-                               L * NP)  # L * NP: dropped
-
-            def put(buf, new_L1TKH):
-                new = new_L1TKH[:, 0][:, src_X].reshape(L, Wq, ps, *new_L1TKH.shape[3:])
-                return buf.at[:, dst_LQ].set(jnp.moveaxis(new, 3, 0).astype(buf.dtype),
-                                             mode="drop")
-
-            st = st.replace(pool=qwen.PagePool(put(st.pool.k, kv.k_LBSKH),
-                                               put(st.pool.v, kv.v_LBSKH)))
+            # real token j (of n) is at bucket slot Tp - n + j; it goes to position j
+            j_T = jnp.arange(Tp)
+            src_T = jnp.clip(Tp - len_P[p] + j_T, 0, Tp - 1)
+            st = st.replace(pool=st.pool.write_tokens(
+                st.pages_PQ[p][None], j_T[None], (j_T < len_P[p])[None],
+                kv.k_LBSKH[:, :, src_T], kv.v_LBSKH[:, :, src_T]))
             return finish_prefill(st, x_1TD[:, Tp - 1:])
         j_C = at + jnp.arange(C)
         valid_C = j_C < len_P[p]

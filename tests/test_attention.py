@@ -432,23 +432,6 @@ def test_paged_gpu_kernel_in_the_interpreter():
                                  new_kv=(k[:, 0, 0].T, v[:, 0, 0].T))
 
 
-@pytest.mark.parametrize("use_mesh", [False, True])
-def test_paged_gpu_kernel_lowers_for_cuda(use_mesh):
-    """The Triton kernel lowers for platform cuda (compiling it needs a GPU); under a
-    data x fsdp x tensor mesh it runs in a shard_map like the TPU kernel."""
-    B, N, K, H, NP, ps, X = 8, 8, 2, 128, 64, 16, 6
-    q = jax.ShapeDtypeStruct((B, N, H), BF16)
-    pool = jax.ShapeDtypeStruct((K, NP, ps, H), BF16)
-    table = jax.ShapeDtypeStruct((B, X), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
-    fn = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="pallas_gpu", pages_per_block=4))
-    with jax.set_mesh(_mesh()) if use_mesh else contextlib.nullcontext():
-        text = fn.trace(q, pool, pool, table, lengths).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text and "paged_attention" in text
-    assert ("sdy.manual_computation" in text) == use_mesh
-
-
 def test_paged_impl_follows_the_prefill_kernel():
     assert A.paged_impl("splash", dtype=BF16, head_dim=128) == "pallas_tpu"
     assert A.paged_impl("splash", dtype=BF16, head_dim=64) == "xla"  # not whole lane tiles
@@ -460,17 +443,22 @@ def test_paged_impl_follows_the_prefill_kernel():
 
 
 @pytest.mark.parametrize("use_mesh", [False, True])
-def test_paged_tpu_kernel_lowers_for_tpu(use_mesh):
-    """The kernel lowers to one Mosaic call for platform tpu; under a data x fsdp x tensor
-    mesh it runs in a shard_map (rows over data/fsdp, kv heads over tensor)."""
+@pytest.mark.parametrize("impl, platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_paged_kernels_lower_for_their_platform(impl, platform, use_mesh):
+    """The TPU kernel lowers to one Mosaic call for platform tpu, the Triton one for cuda
+    (compiling either needs the hardware); under a data x fsdp x tensor mesh each runs in a
+    shard_map (rows over data/fsdp, kv heads over tensor)."""
     B, N, K, H, NP, ps, X = 8, 8, 2, 128, 64, 16, 6
     q = jax.ShapeDtypeStruct((B, N, H), BF16)
     pool = jax.ShapeDtypeStruct((K, NP, ps, H), BF16)
     table = jax.ShapeDtypeStruct((B, X), jnp.int32)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
-    fn = jax.jit(lambda *a: A.paged_decode_attention(*a, impl="pallas_tpu", pages_per_block=4))
+    fn = jax.jit(lambda *a: A.paged_decode_attention(*a, impl=impl, pages_per_block=4))
     with jax.set_mesh(_mesh()) if use_mesh else contextlib.nullcontext():
         text = fn.trace(q, pool, pool, table, lengths).lower(
-            lowering_platforms=("tpu",)).as_text()
-    assert text.count("tpu_custom_call") == 1 and "paged_flash_attention_kernel" in text
+            lowering_platforms=(platform,)).as_text()
+    if platform == "tpu":
+        assert text.count("tpu_custom_call") == 1 and "paged_flash_attention_kernel" in text
+    else:
+        assert "triton" in text and "paged_attention" in text
     assert ("sdy.manual_computation" in text) == use_mesh

@@ -100,20 +100,27 @@ def attention(
 
 def _xla(q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, valid_BT: Array) -> Array:
     """Reference: full scores, plain autodiff (fine in bf16: every cast is explicit)."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BTKH.shape[2]
-    dt = q_BTNH.dtype
-    q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BTKH, preferred_element_type=_F32)
-    s_BKRTS = s_BKRTS * (1.0 / math.sqrt(H))
+    T = q_BTNH.shape[1]
     causal_TS = jnp.tril(jnp.ones((T, T), bool))
     mask_BTS = causal_TS[None] & valid_BT[:, None, :] & valid_BT[:, :, None]
+    return _masked(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+
+
+def _masked(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Array:
+    """Query t attends key s where mask_BTS[b, t, s]: full float32 scores and softmax, both
+    products in q's dtype with float32 accumulation; a query with no key outputs 0."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    dt = q_BTNH.dtype
+    q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
+    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=_F32)
+    s_BKRTS = s_BKRTS * (1.0 / math.sqrt(H))
     mask_B11TS = mask_BTS[:, None, None]
     s_BKRTS = jnp.where(mask_B11TS, s_BKRTS, _MASK)
     # Rows with no visible key (invalid queries) are uniform over _MASK: zero them.
     p_BKRTS = jnp.where(mask_B11TS, jax.nn.softmax(s_BKRTS, axis=-1), 0.0)
     o_BTKRH = jnp.einsum(
-        "bkrts,bskh->btkrh", p_BKRTS.astype(dt), v_BTKH, preferred_element_type=_F32
+        "bkrts,bskh->btkrh", p_BKRTS.astype(dt), v_BSKH, preferred_element_type=_F32
     )
     return o_BTKRH.reshape(B, T, N, H).astype(dt)
 
@@ -608,7 +615,7 @@ def paged_chunk_attention(
     chunk's valid tokens up to itself (causal); invalid queries output 0. Numerics as
     `attention`'s xla (the reference). A gather of the table's Q pages and a masked
     softmax: any backend. Pools and table as `paged_decode_attention`'s."""
-    B, C, N, H = q_BCNH.shape
+    B, C, _, H = q_BCNH.shape
     K, _, ps, _ = k_pool.shape
     Q = table_BQ.shape[1]
     dt = q_BCNH.dtype
@@ -623,15 +630,7 @@ def paged_chunk_attention(
     mask_BCS = jnp.concatenate(
         [jnp.broadcast_to(cached_BS[:, None], (B, C, Q * ps)),
          causal_CC[None] & valid_BC[:, None, :]], axis=2) & valid_BC[:, :, None]
-    mask_B11CS = mask_BCS[:, None, None]
-    q_BCKRH = q_BCNH.reshape(B, C, K, N // K, H)
-    s_BKRCS = jnp.einsum("bckrh,bskh->bkrcs", q_BCKRH, keys(k_pool, k_BCKH),
-                         preferred_element_type=_F32) * (1.0 / math.sqrt(H))
-    s_BKRCS = jnp.where(mask_B11CS, s_BKRCS, _MASK)
-    p_BKRCS = jnp.where(mask_B11CS, jax.nn.softmax(s_BKRCS, axis=-1), 0.0)
-    o_BCKRH = jnp.einsum("bkrcs,bskh->bckrh", p_BKRCS.astype(dt), keys(v_pool, v_BCKH),
-                         preferred_element_type=_F32)
-    return o_BCKRH.reshape(B, C, N, H).astype(dt)
+    return _masked(q_BCNH, keys(k_pool, k_BCKH), keys(v_pool, v_BCKH), mask_BCS)
 
 
 _GPU_INTERPRET = [False]

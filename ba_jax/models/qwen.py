@@ -472,6 +472,17 @@ class PagePool:
 
         return PagePool(put(self.k, k_SKH), put(self.v, v_SKH))
 
+    def write_tokens(self, table_BQ, pos_BC, valid_BC, k_LBCKH, v_LBCKH) -> PagePool:
+        """Every layer's keys/values of the tokens at positions `pos_BC` (those with
+        valid_BC) of the runs whose pages are `table_BQ` (ids < NP, the pages per layer),
+        written at those positions, in one scatter per side."""
+        L, ps = k_LBCKH.shape[0], self.k.shape[2]
+        NP = self.k.shape[1] // L
+        page_BC = jnp.take_along_axis(table_BQ, pos_BC // ps, axis=1, mode="clip")
+        page_LBC = jnp.where(valid_BC, jnp.arange(L)[:, None, None] * NP + page_BC, L * NP)
+        return self.write(page_LBC, jnp.broadcast_to(pos_BC % ps, page_LBC.shape), k_LBCKH,
+                          v_LBCKH)
+
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """Zeroed KV cache with `max_len` slots per row."""
@@ -625,10 +636,6 @@ class Qwen(nnx.Module):
         pos_BC = start_B[:, None] + jnp.arange(C)[None]
         sin_BCH, cos_BCH = _rope_tables(pos_BC, self.config.head_dim, self.config.rope_theta)
         page_table_BQ = jnp.where(page_table_BQ < NP, page_table_BQ, 0)
-        page_BC = jnp.take_along_axis(page_table_BQ, pos_BC // pool.k.shape[2], axis=1,
-                                      mode="clip")
-        page_LBC = jnp.where(valid_BC, jnp.arange(L)[:, None, None] * NP + page_BC, L * NP)
-        offset_LBC = jnp.broadcast_to(pos_BC % pool.k.shape[2], page_LBC.shape)
 
         def body(layer, x_BCD, layer_ix):
             return layer.chunk_paged(x_BCD, sin_BCH, cos_BCH, pool,
@@ -636,7 +643,7 @@ class Qwen(nnx.Module):
 
         x_BCD, (k_LBCKH, v_LBCKH) = self._scan_layers(body, self._embed(tokens_BC),
                                                       jnp.arange(L))
-        return x_BCD, pool.write(page_LBC, offset_LBC, k_LBCKH, v_LBCKH)
+        return x_BCD, pool.write_tokens(page_table_BQ, pos_BC, valid_BC, k_LBCKH, v_LBCKH)
 
     def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array, pool: PagePool,
                           page_table_BX: jax.Array, lengths_B: jax.Array,
