@@ -1,8 +1,10 @@
 """The parts of a run, made from a checked experiment config.
 
 What lives here: the mesh, the tokenizer, the prompt set, the policy's initial parameters
-(random, Hugging Face folder, or converted Orbax checkpoint) and the optimizer, each read
-from the config and handed on as typed values. What does not: reading and checking the
+(random, Hugging Face folder, or converted Orbax checkpoint), the optimizer, the typed
+settings library code takes (loss, sampling, engine, experience) and the rollout engine
+(`make_rollout_engine`: the one reader of `rollout.engine`), each read from the config and
+handed on as typed values. What does not: reading and checking the
 config (run_config.py), the optimizer and schedule themselves (optim.py), the update
 (train.py) or the host side of an iteration (experience.py).
 """
@@ -17,8 +19,9 @@ import jax
 import optax
 from flax import nnx
 
-from ba_jax import data, distributed, optim, run_config, sharding
+from ba_jax import data, distributed, experience, grpo, optim, run_config, sharding
 from ba_jax.models import convert_hf, qwen
+from ba_jax.rollout import EngineSettings, RolloutEngine, SamplingSettings, prompt_bucket
 from ba_jax.tasks import arithmetic
 
 
@@ -39,7 +42,7 @@ def load_tokenizer(cfg: Any, workdir: str):
         path = cfg.tokenizer_path or cfg.model.init_path
     try:
         return convert_hf.load_tokenizer(path)
-    except Exception as e:  # noqa: BLE001 - re-raised with the option named
+    except Exception as e:
         raise run_config.ConfigError(f"tokenizer at {path!r} cannot be loaded: {e}") from e
 
 
@@ -133,3 +136,98 @@ def make_optimizer(cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedu
         final_lr_fraction=o.final_lr_fraction,
         total_updates=cfg.num_train_steps * cfg.grpo.num_updates * cfg.grpo.num_minibatches,
         b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+
+
+# ---------------------------------------------------------------- typed settings, built once
+
+
+def loss_settings(cfg: Any):
+    """The update's objective (`grpo.LossSettings`) from config.grpo."""
+    g = cfg.grpo
+    return grpo.LossSettings(
+        aggregation=g.aggregation, max_len=g.constant_max_len or cfg.rollout.max_new_tokens,
+        count_degenerate_groups=bool(g.count_degenerate_groups), eps_low=float(g.eps_low),
+        eps_high=float(g.eps_high), dual_clip=float(g.dual_clip) if g.dual_clip else None,
+        kl_kind=None if g.kl_kind == "none" else g.kl_kind, kl_beta=float(g.kl_beta),
+        num_microbatches=int(g.num_microbatches))
+
+
+def sampling_settings(cfg: Any, eos_ids, pad_id: int | None) -> SamplingSettings:
+    """One RL step's sampling (config.rollout) with the tokenizer's EOS and pad ids."""
+    r = cfg.rollout
+    return SamplingSettings(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
+                            eos_ids=tuple(sorted(eos_ids)), temperature=r.temperature,
+                            top_k=r.top_k, top_p=r.top_p, pad_id=pad_id)
+
+
+def engine_settings(cfg: Any, *, prompts_per_call: int = 0) -> EngineSettings:
+    """The paged engine's settings (config.rollout: num_slots, page_size, kv_pages,
+    prefill_chunk); ConfigError naming a bad one."""
+    r = cfg.rollout
+    try:
+        return EngineSettings(num_slots=r.num_slots, page_size=r.page_size,
+                              num_pages=r.kv_pages, prefill_chunk=r.prefill_chunk,
+                              prompts_per_call=prompts_per_call)
+    except ValueError as e:
+        raise run_config.ConfigError(f"config.rollout: {e}") from e
+
+
+def experience_settings(cfg: Any) -> experience.ExperienceSettings:
+    """How a step's experience is gathered (config.rollout and config.grpo)."""
+    r, g = cfg.rollout, cfg.grpo
+    return experience.ExperienceSettings(
+        prompts_per_step=r.prompts_per_step, sample_shards=r.sample_shards,
+        dynamic_sampling=bool(g.dynamic_sampling), max_resample_rounds=g.max_resample_rounds,
+        overlong_buffer=g.overlong_buffer, overlong_factor=g.overlong_factor,
+        advantage=g.advantage)
+
+
+# ---------------------------------------------------------------- the rollout engine
+
+ROLLOUT_ALIASES = {"ba_jax": "paged"}  # old value -> its name now
+
+
+def rollout_engine_kind(cfg: Any) -> str:
+    """The one reader of config.rollout.engine (besides `run_config.validate`'s check):
+    'paged' or 'vllm'; the old name 'ba_jax' is accepted with a one-line deprecation note."""
+    kind = cfg.rollout.engine
+    if kind in ROLLOUT_ALIASES:
+        print(f"note: config.rollout.engine={kind!r} is deprecated; it is now "
+              f"{ROLLOUT_ALIASES[kind]!r} (same engine)")
+        kind = ROLLOUT_ALIASES[kind]
+    run_config.require(kind in run_config.ROLLOUT_ENGINES,
+                       f"config.rollout.engine={cfg.rollout.engine!r}; valid: "
+                       f"{', '.join(run_config.ROLLOUT_ENGINES)}")
+    return kind
+
+
+def old_logp_recompute(cfg: Any) -> bool:
+    """Whether the trainer recomputes old log-probs before the update: for vLLM
+    (`rollout.vllm_logprobs=recompute`, its default); the paged engine's are the trainer's
+    model code already."""
+    return rollout_engine_kind(cfg) == "vllm" and cfg.rollout.vllm_logprobs == "recompute"
+
+
+def make_rollout_engine(cfg: Any, graphdef, mesh, model_cfg: qwen.ModelConfig, *,
+                        prompts_per_call: int = 0) -> RolloutEngine:
+    """The run's `rollout.RolloutEngine`: the in-house paged engine (decoding on `mesh`'s
+    row devices, or this process's under multi-host) or a vLLM engine process (started
+    here; a failed start is a ConfigError naming the cause). Close it when done."""
+    if rollout_engine_kind(cfg) == "vllm":
+        from ba_jax import vllm_rollout
+
+        r = cfg.rollout
+        try:
+            return vllm_rollout.VllmEngine(
+                model_cfg, dtype=cfg.model.dtype, python=r.vllm_python or None, seed=cfg.seed,
+                max_model_len=prompt_bucket(cfg.data.max_prompt_tokens) + r.max_new_tokens,
+                max_num_seqs=r.prompts_per_step // r.sample_shards * r.num_samples,
+                enforce_eager=r.vllm_enforce_eager)
+        except (ValueError, vllm_rollout.VllmEngineError) as e:
+            raise run_config.ConfigError(f"config.rollout.engine=vllm: {e}") from e
+    from ba_jax.engine import paged
+
+    sample_mesh = distributed.local_mesh(mesh) if jax.process_count() > 1 else mesh
+    return paged.PagedEngine(graphdef, engine_settings(cfg, prompts_per_call=prompts_per_call),
+                             dtype=run_config.DTYPES[cfg.model.dtype], mesh=mesh,
+                             sample_mesh=sample_mesh)

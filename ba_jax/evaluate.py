@@ -173,35 +173,36 @@ class Samples:
 def sample_responses(model: Any, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
                      settings: EvalSettings, key, eos_ids: Sequence[int],
                      pad_id: int | None = None, mesh=None) -> Samples:
-    """`settings.k` responses per prompt through the rollout engine's queue
-    (`engine_queue.Engine`, `settings.batch_prompts` prompts of one bucket per call), decoding
-    with the model's compute-dtype copy (`engine.decode_copy`, on `mesh` if given). Sample g
-    of prompt i is drawn with key fold_in(fold_in(key, i*k + g), t): the same whatever the
-    batch size, devices or the other prompts."""
+    """`settings.k` responses per prompt through a `rollout.RolloutEngine` (the in-house
+    paged engine: `settings.batch_prompts` prompts of one bucket per call), decoding with
+    the model's compute-dtype copy (on `mesh` if given). Sample g of prompt i is drawn with
+    key fold_in(fold_in(key, i*k + g), t): the same whatever the batch size, devices or the
+    other prompts."""
     from flax import nnx
 
-    from ba_jax import engine, engine_queue
+    from ba_jax.engine import paged
+    from ba_jax.rollout import EngineSettings, SamplingSettings
 
     P, G = len(prompt_ids), settings.k
     graphdef, state = nnx.split(model)
-    decoder = nnx.merge(graphdef, engine.decode_copy(state, mesh, model.dtype))
-    queue = engine_queue.Engine(
-        decoder, num_samples=G, max_new_tokens=settings.max_new_tokens, key=key,
-        temperature=settings.temperature, top_p=settings.top_p, eos_ids=eos_ids, pad_id=pad_id,
-        prompts_per_call=min(settings.batch_prompts, P), mesh=mesh)
-    for p in prompt_ids:
-        queue.add(p)
-    done = queue.drain()
+    engine = paged.PagedEngine(graphdef, EngineSettings(
+        prompts_per_call=min(settings.batch_prompts, P)), dtype=model.dtype, mesh=mesh)
+    engine.sync(state)
+    sampling = SamplingSettings(num_samples=G, max_new_tokens=settings.max_new_tokens,
+                                eos_ids=tuple(eos_ids), temperature=settings.temperature,
+                                top_p=settings.top_p, pad_id=pad_id)
+    ro = engine.generate(prompt_ids, sampling, key)
+    engine.close()
     eos = set(int(e) for e in eos_ids)
     texts: list[list[str]] = []
     num_tokens_PG = np.zeros((P, G), np.int32)
     finished_PG = np.zeros((P, G), bool)
     for i in range(P):
-        c = done[i]
+        rows = slice(i * G, (i + 1) * G)
         ids = [[int(t) for t in row[:n] if int(t) not in eos]
-               for row, n in zip(c.tokens, c.lengths)]
+               for row, n in zip(ro.tokens[rows], ro.lengths[rows])]
         texts.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
-        num_tokens_PG[i], finished_PG[i] = c.lengths, c.finish_reason == "eos"
+        num_tokens_PG[i], finished_PG[i] = ro.lengths[rows], ro.finish_reason[rows] == "eos"
     return Samples(texts, num_tokens_PG, finished_PG)
 
 

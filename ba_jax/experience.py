@@ -1,9 +1,10 @@
 """Host side of one RL iteration: sample groups, score them, shape rewards, advantages.
 
-What lives here: turning prompts into an update batch of fixed shape (rows of one prompt
-contiguous, `[P*G, ...]` arrays), DAPO dynamic sampling, and the host metrics of an
-iteration. What does not: the jitted update (train.py), the sampler itself (sampler.py),
-reward rules (rewards/).
+What lives here: `ExperienceSettings` (built once from the config by `build`), turning
+prompts into an update batch of fixed shape (rows of one prompt contiguous, `[P*G, ...]`
+arrays) through a `rollout.RolloutEngine` (whichever engine it is), DAPO dynamic sampling,
+and the host metrics of an iteration. What does not: the jitted update (train.py), the
+engines (engine/, vllm_rollout.py), reward rules (rewards/).
 
 Sampling shards: the P prompts of a step are cut into `rollout.sample_shards` equal
 shards, each sampled by its own `generate` call with key `fold_in(round_key, shard)`.
@@ -24,8 +25,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from ba_jax import distributed, grpo, sampler
+from ba_jax import distributed, grpo
 from ba_jax.rewards import math as math_rewards
+from ba_jax.rollout import RolloutEngine, SamplingSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperienceSettings:
+    """How a step's experience is gathered (config `rollout.*`, `grpo.*` in brackets)."""
+
+    prompts_per_step: int  # P (rollout.prompts_per_step)
+    sample_shards: int  # shards of P sampled by separate calls (rollout.sample_shards)
+    dynamic_sampling: bool = False  # keep only mixed groups, resample (grpo.dynamic_sampling)
+    max_resample_rounds: int = 0  # extra rounds dynamic sampling may draw (grpo.*)
+    overlong_buffer: int = 0  # DAPO overlong shaping window, tokens; 0: off (grpo.*)
+    overlong_factor: float = 1.0  # its largest penalty (grpo.overlong_factor)
+    advantage: str = "grpo"  # grpo.ADVANTAGE_ESTIMATORS (grpo.advantage)
 
 
 @dataclasses.dataclass
@@ -46,26 +61,16 @@ def _decode(tokenizer, tokens_BR: np.ndarray, lengths_B: np.ndarray, eos_ids: se
     return texts
 
 
-def _round(policy, prompt_ids, truths, *, cfg, key, tokenizer, scorer, eos_ids, rule, mesh):
+def _round(engine: RolloutEngine, prompt_ids, truths, *, sampling: SamplingSettings, key,
+           tokenizer, scorer, eos_ids, rule):
     """Sample and score one set of prompts; returns per-row arrays and timings."""
     t0 = time.perf_counter()
-    r = cfg.rollout
-    kw = dict(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens, key=key,
-              temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-              eos_ids=sorted(eos_ids), pad_id=tokenizer.pad_token_id, mesh=mesh)
-    if r.engine == "vllm":  # `policy` is the vllm_rollout.VllmEngine, weights synced
-        del kw["mesh"]
-        ro = policy.generate(prompt_ids, **kw)
-    elif r.engine == "static":
-        ro = sampler.generate_static(policy, prompt_ids, **kw)
-    else:  # the rollout engine: continuous batching over a paged cache
-        ro = sampler.generate(policy, prompt_ids, num_slots=r.num_slots, page_size=r.page_size,
-                              num_pages=r.kv_pages, prefill_chunk=r.prefill_chunk, **kw)
+    ro = engine.generate(prompt_ids, sampling, key)
     tokens_BR = np.asarray(ro.tokens)
     lengths_B = np.asarray(ro.lengths)
     t1 = time.perf_counter()
     texts = _decode(tokenizer, tokens_BR, lengths_B, eos_ids)
-    G = cfg.rollout.num_samples
+    G = sampling.num_samples
     scores = scorer.score(texts, [t for t in truths for _ in range(G)], rule=rule)
     t2 = time.perf_counter()
     rows = dict(
@@ -129,28 +134,27 @@ class _Shard:
 
 
 def collect(
-    policy: Any,
+    engine: RolloutEngine,
     next_prompts: Callable[[], tuple[list[list[int]], list[str]]],
     *,
-    cfg: Any,
+    settings: ExperienceSettings,
+    sampling: SamplingSettings,
     key: jax.Array,
     tokenizer: Any,
     scorer: math_rewards.MathScorer,
     eos_ids: set[int],
     rule: str = "dapo",
-    mesh: Any = None,
     shards: Sequence[int] = (0,),
 ) -> Experience:
     """Sample this process's `shards` of the step's P prompts, with dynamic sampling if on.
 
-    `policy`: the model to sample from (`rollout.engine` ba_jax or static), or the
-    `vllm_rollout.VllmEngine` holding its weights (vllm). `next_prompts()` returns all P
+    `engine`: any `RolloutEngine`, its weights synced. `next_prompts()` returns all P
     prompts of a round (the same on every process).
     """
-    P, G, S = cfg.rollout.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.sample_shards
+    P, G, S = settings.prompts_per_step, sampling.num_samples, settings.sample_shards
     Pg = P // S
-    rounds = 1 + (cfg.grpo.max_resample_rounds if cfg.grpo.dynamic_sampling else 0)
-    state = {s: _Shard(Pg, G, cfg.grpo.dynamic_sampling) for s in shards}
+    rounds = 1 + (settings.max_resample_rounds if settings.dynamic_sampling else 0)
+    state = {s: _Shard(Pg, G, settings.dynamic_sampling) for s in shards}
     timing = dict(sample_s=0.0, score_s=0.0, timeouts=0, errors=0, rounds=0)
     for r in range(rounds):
         prompt_ids, truths = next_prompts()
@@ -159,10 +163,9 @@ def collect(
             if sh.full:
                 continue
             sl = slice(s * Pg, (s + 1) * Pg)
-            rows, t = _round(policy, prompt_ids[sl], truths[sl], cfg=cfg,
+            rows, t = _round(engine, prompt_ids[sl], truths[sl], sampling=sampling,
                              key=jax.random.fold_in(jax.random.fold_in(key, r), s),
-                             tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids, rule=rule,
-                             mesh=mesh)
+                             tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids, rule=rule)
             for k in ("sample_s", "score_s"):
                 timing[k] += t[k]
             timing["timeouts"] += t["timeouts"]
@@ -177,15 +180,15 @@ def collect(
     _pad_prompts(chunks, max(c["prompt_tokens_BT"].shape[1] for c in chunks))
     rows = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
     reward_B = rows["reward_B"].copy()
-    if cfg.grpo.overlong_buffer > 0:
+    if settings.overlong_buffer > 0:
         reward_B += math_rewards.overlong_penalty(
-            rows["lengths_B"], max_len=cfg.rollout.max_new_tokens,
-            buffer=cfg.grpo.overlong_buffer, factor=cfg.grpo.overlong_factor)
+            rows["lengths_B"], max_len=sampling.width,
+            buffer=settings.overlong_buffer, factor=settings.overlong_factor)
     # Global group ids: shard s holds groups s*Pg .. (s+1)*Pg - 1.
     group_id_B = np.concatenate([s * Pg + np.repeat(np.arange(Pg, dtype=np.int32), G) for s in shards])
     local_id_B = np.repeat(np.arange(len(shards) * Pg, dtype=np.int32), G)
     adv_B = np.asarray(grpo.group_advantages(reward_B, local_id_B, len(shards) * Pg,
-                                             estimator=cfg.grpo.advantage))
+                                             estimator=settings.advantage))
     batch = dict(
         prompt_tokens_BT=rows["prompt_tokens_BT"].astype(np.int32),
         prompt_mask_BT=rows["prompt_mask_BT"].astype(np.int32),

@@ -12,6 +12,7 @@ Shape letters: B rows, T tokens, V vocab, P groups (prompts).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,25 @@ from ba_jax.aggregation import safe_div
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "batch_std")
 KL_KINDS = ("k1", "k2", "k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The update's objective (config `grpo.*`), built once by `build.loss_settings`."""
+
+    aggregation: str  # a name in aggregation.RULES or "package.module:function"
+    max_len: int  # the `constant` rule's length (grpo.constant_max_len, else max_new_tokens)
+    count_degenerate_groups: bool = True  # the balanced rules' group count
+    eps_low: float = 0.2  # clip range below 1
+    eps_high: float = 0.28  # clip range above 1 (clip-higher)
+    dual_clip: float | None = None  # dual-clip bound c for A < 0; None: off
+    kl_kind: str | None = None  # k1 | k2 | k3 against the frozen reference; None: no KL
+    kl_beta: float = 0.0
+    num_microbatches: int = 1  # slices of a mini-batch accumulated in one step
+
+    @property
+    def rule_options(self) -> dict:
+        return dict(count_degenerate_groups=self.count_degenerate_groups, max_len=self.max_len)
 
 
 def group_advantages(
@@ -49,7 +69,7 @@ def group_advantages(
     gid_B = jnp.clip(gid_B, 0, num_groups - 1)
     r_B = jnp.where(valid_B, r_B, 0.0)
     v_B = valid_B.astype(jnp.float32)
-    seg = lambda x_B: jax.ops.segment_sum(x_B, gid_B, num_segments=num_groups)  # noqa: E731
+    seg = lambda x_B: jax.ops.segment_sum(x_B, gid_B, num_segments=num_groups)
     n_P = seg(v_B)
     mean_P = safe_div(seg(r_B), n_P)
     centred_B = r_B - mean_P[gid_B]
@@ -133,10 +153,10 @@ def head_logprobs(head_fn: Callable[[jax.Array], jax.Array], x_BRD: jax.Array,
         return one(x_BRD, tokens_BR)
     one = jax.checkpoint(one)
     n = R // chunk
-    split = lambda a: jnp.swapaxes(a[:, :n * chunk].reshape(B, n, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
+    split = lambda a: jnp.swapaxes(a[:, :n * chunk].reshape(B, n, chunk, *a.shape[2:]), 0, 1)
     _, (logp_nBc, ent_nBc) = jax.lax.scan(lambda c, xs: (c, one(*xs)), None,
                                           (split(x_BRD), split(tokens_BR)))
-    join = lambda a: jnp.swapaxes(a, 0, 1).reshape(B, n * chunk)  # noqa: E731
+    join = lambda a: jnp.swapaxes(a, 0, 1).reshape(B, n * chunk)
     logp_BR, ent_BR = join(logp_nBc), None if ent_nBc is None else join(ent_nBc)
     if n * chunk < R:  # the ragged tail
         logp_Bt, ent_Bt = one(x_BRD[:, n * chunk:], tokens_BR[:, n * chunk:])
@@ -165,7 +185,7 @@ def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
     Tp = batch["prompt_tokens_BT"].shape[1]
     tokens_BS, positions_BS, attn_BS = sequence_inputs(
         batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
-    x_BSD, _ = model.hidden_states(tokens_BS, positions_BS, attn_BS)
+    x_BSD = model.hidden_states(tokens_BS, positions_BS, attn_BS)
     return head_logprobs(model.logits, x_BSD[:, Tp - 1:], batch["tokens_BR"],
                          chunk=model.config.logits_chunk, with_entropy=with_entropy)
 

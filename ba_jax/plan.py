@@ -18,7 +18,6 @@ figures (`benchmarks/memory.py --calibrate`); docs/scaling.md compares the two.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -28,6 +27,15 @@ import jax
 import numpy as np
 import optax
 
+from ba_jax import sampling
+from ba_jax.engine import loop as engine_loop
+from ba_jax.engine import paging
+from ba_jax.engine import shapes as engine_shapes
+from ba_jax.plan_model import (COEF_TERMS, FIXED_COEF, SAMPLE_COEF, TRAIN_COEF,  # noqa: F401
+                               _per_dev, _tp, activation_estimate, exact_temp_bytes,
+                               memory_features)  # noqa: I001
+from ba_jax.rollout import prompt_bucket
+
 GIB = 1024**3
 # HBM per chip / GPU, GiB (TPU: per chip as Cloud TPU documents it; GPU: the SKU's size).
 DEVICES: dict[str, float] = {
@@ -35,19 +43,6 @@ DEVICES: dict[str, float] = {
 }
 # Share of HBM a plan may use: the rest is XLA's scratch, fragmentation and the programs.
 USABLE_FRACTION = 0.9
-
-
-def model_config(cfg: Any):
-    """The run's ModelConfig; an `init=hf` run without a preset reads the folder's config.json."""
-    from ba_jax import run_config
-    from ba_jax.models import qwen
-
-    path = os.path.join(cfg.model.init_path or "", "config.json")
-    if not cfg.model.preset and cfg.model.init == "hf" and os.path.isfile(path):
-        with open(path) as f:
-            hf = qwen.ModelConfig.from_hf_config(json.load(f))
-        return dataclasses.replace(hf, **run_config.runtime_options(cfg))
-    return run_config.model_config(cfg)
 
 
 def _abstract_mesh(axes: dict[str, int]) -> jax.sharding.AbstractMesh:
@@ -91,125 +86,10 @@ def tree_bytes(tree: Any, mesh, rules=None) -> tuple[int, int]:
 
 
 def decode_params(params: Any, dtype) -> Any:
-    """Abstract `engine.decode_copy` of abstract `params`: matrices in the compute dtype."""
+    """Abstract `engine.call.decode_copy` of abstract `params`: matrices in the compute dtype."""
     from ba_jax import grpo
 
     return jax.eval_shape(lambda p: grpo.compute_copy(p, dtype), params)
-
-
-def _tp(n: int, tensor: int) -> float:
-    """Per-device share of a dimension split over `tensor` when it divides (as spec_for)."""
-    return n / tensor if n % tensor == 0 else n
-
-
-def _per_dev(rows: int, dp: int) -> int:
-    """Rows on one device: split over data x fsdp when they divide, else replicated."""
-    return rows // dp if rows % dp == 0 else rows
-
-
-# The activation estimate: bytes = sum over terms of (bytes per element) x (the term's
-# element count on one device, `memory_features`). Terms of the train step (remat full,
-# flash-type attention: chunked, splash or cudnn; b rows per device per micro-batch,
-# T = prompt bucket + R - 1 positions, c = model.logits_chunk):
-#   saved_inputs  L b T D    each layer's input, kept by the layer scan for the backward
-#   layer_embed   b T D      one layer recomputed in the backward: D-wide values (norms,
-#   layer_mlp     b T F/t      residuals, their cotangents), MLP gate/up/product, queries
-#   layer_q       b T N H/t    and attention outputs, keys and values, each with its
-#   layer_kv      b T 2K H/t   cotangent and the kernel's float32 accumulators
-#   head_weight   V D/t      the output projection (or tied embedding) gathered whole,
-#                            and the embedding gradient's scatter-add before it is reduced
-#   head_chunk    b c V/t    one chunk of float32 logits, probabilities and their cotangent
-# of the sampler call (B rows and P prompts per device, R new tokens, Tp prompt bucket):
-#   kv_cache      2 L K H (B R + P Tp)   the decode cache and the shared prompt cache; the
-#                                        engine's: its page pool (prompts' pages too),
-#                                        2 L K H pages x page_size
-#   prefill       P Tp (D + F)           one layer's prefill working set (the engine's: one
-#                                        chunk of one prompt, rollout.prefill_chunk tokens)
-#   decode_vocab  B V/t                  one decode step's logits and sampling arrays (the
-#                                        engine's: its S slots)
-#   head_weight   V D/t
-# Exact and added as they are: parameters, optimizer state, gradients (parameter dtype),
-# the float32 gradient accumulator, the batch. The coefficients are least-squares fits to
-# XLA's compiled temp bytes on 4-layer cuts of Qwen3-1.7B at the paper's row length
-# (`python benchmarks/memory.py --calibrate`), per compute itemsize; they are XLA:CPU's:
-# it widens bf16 intermediates to f32 and fuses less than TPU/GPU, so on accelerators the
-# estimate is an upper bound (only a device's measured peak, benchmarks/gpu_step.py, says
-# by how much). Remat `none` keeps every layer's working set (the layer terms x L); the
-# `dots_*` policies are counted as `none` (an upper bound). `xla` attention adds its
-# materialised [N, T, T] scores (f32 and the compute-dtype copy) per layer kept.
-COEF_TERMS: dict[str, tuple[str, ...]] = {
-    "train": ("saved_inputs", "layer_embed", "layer_mlp", "layer_q", "layer_kv", "head_weight"),
-    "sample": ("kv_cache", "prefill", "head_weight"),
-}
-_LAYER_TERMS = ("layer_embed", "layer_mlp", "layer_q", "layer_kv")
-# Not least-squares fitted: bytes per logit of the head's backward, measured on a cut whose
-# head is unchunked (`--calibrate` prints it: ~8.5 in bf16 and f32; float32 logits, their
-# exponentials and the cotangent, partly fused), and per element of one decode step's
-# vocabulary arrays (logits, probabilities, the top-p sort: too small to identify).
-FIXED_COEF = dict(head_chunk=8.5, decode_vocab=12.0)
-# Fitted by `python benchmarks/memory.py --calibrate` (XLA:CPU, jax 0.10.2), per compute
-# itemsize; bytes per element of each term.
-TRAIN_COEF: dict[int, dict[str, float]] = {
-    2: dict(saved_inputs=4.0, layer_embed=33.6, layer_mlp=14.8, layer_q=20.7, layer_kv=12.2,
-            head_weight=1.8),
-    4: dict(saved_inputs=3.9, layer_embed=33.6, layer_mlp=25.2, layer_q=21.3, layer_kv=12.7,
-            head_weight=4.2),
-}
-SAMPLE_COEF: dict[int, dict[str, float]] = {
-    2: dict(kv_cache=5.9, prefill=1.7, head_weight=2.5),
-    4: dict(kv_cache=3.7, prefill=6.5, head_weight=6.8),
-}
-
-
-def memory_features(p: dict, kind: str) -> dict[str, float]:
-    """Element counts on one device of the activation terms (`COEF_TERMS[kind]`) of the
-    plan `p` (`plan(...)`): kind "train" (one micro-batch of the train step) or "sample"
-    (one sampler call)."""
-    mc, s, t = p["model"], p["shapes"], p["mesh"]["tensor"]
-    D, F, H, L = mc.hidden_size, mc.intermediate_size, mc.head_dim, mc.num_layers
-    N, K, V = mc.num_heads, mc.num_kv_heads, mc.vocab_size
-    head_weight = V * D / (t if V % t == 0 else 1)
-    if kind == "train":
-        bT = s["microbatch_rows_per_device"] * s["seq_len"]
-        layers = 1 if s["remat"] == "full" else L  # working sets kept at once
-        return dict(saved_inputs=L * bT * D, layer_embed=layers * bT * D,
-                    layer_mlp=layers * bT * _tp(F, t), layer_q=layers * bT * _tp(N, t) * H,
-                    layer_kv=layers * bT * 2 * _tp(K, t) * H, head_weight=head_weight,
-                    head_chunk=s["microbatch_rows_per_device"] * s["head_chunk"] * _tp(V, t))
-    if kind == "sample":
-        return dict(kv_cache=2 * L * _tp(K, t) * H * s["kv_tokens"],
-                    prefill=s["prefill_tokens"] * (D + _tp(F, t)),
-                    decode_vocab=s["decode_rows"] * _tp(V, t), head_weight=head_weight)
-    raise ValueError(f"kind={kind!r}; valid: train, sample")
-
-
-def exact_temp_bytes(p: dict, kind: str) -> int:
-    """The part of a compiled program's temp bytes the plan knows exactly: the train step's
-    gradients and float32 accumulator (the sampler has none)."""
-    b = p["bytes"]
-    return b["grads"] + b["grad_accumulator"] if kind == "train" else 0
-
-
-def activation_estimate(p: dict, kind: str) -> dict[str, int]:
-    """Estimated activation bytes on one device per term and `total`: the train step holds
-    the saved layer inputs, the head weight and the larger of one layer's backward working
-    set and one logits chunk's (the two phases do not overlap); the sampler all its terms."""
-    coef = dict((TRAIN_COEF if kind == "train" else SAMPLE_COEF)[4 if p["itemsize"] >= 4 else 2],
-                **FIXED_COEF)
-    out = {k: int(coef[k] * v) for k, v in memory_features(p, kind).items()}
-    s, mc = p["shapes"], p["model"]
-    if kind == "sample":
-        total = sum(out.values())
-    else:
-        if s["attention"] == "xla":  # [b, N, T, T] scores of each layer kept
-            layers = 1 if s["remat"] == "full" else mc.num_layers
-            out["attention_scores"] = int(layers * s["microbatch_rows_per_device"]
-                                          * _tp(mc.num_heads, p["mesh"]["tensor"])
-                                          * s["seq_len"] ** 2 * (4 + p["itemsize"]))
-        layer = sum(out[k] for k in _LAYER_TERMS) + out.get("attention_scores", 0)
-        total = out["saved_inputs"] + out["head_weight"] + max(layer, out["head_chunk"])
-    out["total"] = total
-    return out
 
 
 def abstract_policy(cfg: Any):
@@ -220,7 +100,7 @@ def abstract_policy(cfg: Any):
     from ba_jax import run_config
     from ba_jax.models import qwen
 
-    mc = model_config(cfg)
+    mc = run_config.model_config(cfg)
     dtype, pdtype = run_config.DTYPES[cfg.model.dtype], run_config.DTYPES[cfg.model.param_dtype]
     return nnx.split(nnx.eval_shape(
         lambda: qwen.Qwen(mc, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdtype)))
@@ -228,11 +108,11 @@ def abstract_policy(cfg: Any):
 
 def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION) -> dict:
     """Per-device bytes of a run of `cfg` on `num_devices` and the fit per named device."""
-    from ba_jax import build, run_config, sampler
+    from ba_jax import build, run_config
 
     axes = run_config.mesh_axes(cfg, num_devices)
     mesh = _abstract_mesh(axes)
-    mc = model_config(cfg)
+    mc = run_config.model_config(cfg)
     dtype = run_config.DTYPES[cfg.model.dtype]
     itemsize = np.dtype(dtype).itemsize
     _, params = abstract_policy(cfg)
@@ -253,7 +133,7 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
         warnings.append(f"micro-batch rows ({rows} / {k}) do not split evenly over data*fsdp={dp}"
                         " devices: run_config.validate rejects this config on this mesh")
     mb_rows_dev = -(-mb_rows // dp)
-    Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
+    Tp = prompt_bucket(cfg.data.max_prompt_tokens)
     R = cfg.rollout.max_new_tokens
     T = Tp + R - 1  # grpo.sequence_inputs drops the last slot of [prompt | response]
     # one sampler call: a sampling shard's prompts, its G samples each
@@ -265,7 +145,7 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     L, K, H = mc.num_layers, mc.num_kv_heads, mc.head_dim
     kv_cache = int(2 * L * _tp(K, axes["tensor"]) * H * sample["kv_tokens"] * itemsize)
     # the sampler's weights: the engine decodes with a compute-dtype copy whole on every row
-    # device (engine.decode_copy), the static sampler with the same copy
+    # device (engine.call.decode_copy), the static sampler with the same copy
     from ba_jax import sharding
 
     decode_dev = tree_bytes(decode_params(params, dtype), mesh, sharding.DECODE_RULES)[1]
@@ -337,16 +217,10 @@ def slots_that_fit(p: dict, samp: dict) -> dict[str, int]:
 def sample_shape(cfg: Any, row_devices: int) -> dict:
     """One sampler call of `cfg` on one of `row_devices` devices: prompts, cached tokens
     (`kv_tokens`) and decode rows; for the engine also its slots and pages per device."""
-    from ba_jax import engine, sampler
-
     r = cfg.rollout
     Pg, G, R = r.prompts_per_step // max(r.sample_shards, 1), r.num_samples, r.max_new_tokens
-    Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
-    if r.engine == "static":
-        B, Pd = _per_dev(Pg * G, row_devices), _per_dev(Pg, row_devices)
-        return dict(sample_rows_per_device=B, sample_prompts_per_device=Pd,
-                    kv_tokens=B * R + Pd * Tp, decode_rows=B, prefill_tokens=Pd * Tp)
-    cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
+    Tp = prompt_bucket(cfg.data.max_prompt_tokens)
+    cs = engine_shapes.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
                            num_pages=r.kv_pages, num_devices=row_devices,
                            prefill_chunk=r.prefill_chunk)
     return dict(sample_rows_per_device=cs.rows_per_device,
@@ -354,9 +228,9 @@ def sample_shape(cfg: Any, row_devices: int) -> dict:
                 kv_tokens=cs.pages_per_device * cs.page_size,  # prompts are in the pool
                 decode_rows=cs.slots_per_device, slots_per_device=cs.slots_per_device,
                 pages_per_device=cs.pages_per_device, fixed_pool=bool(r.kv_pages),
-                page_size=cs.page_size, slot_pages=engine.pages_for(R, cs.page_size),
+                page_size=cs.page_size, slot_pages=paging.pages_for(R, cs.page_size),
                 prefill_tokens=cs.prefill_chunk,  # one chunk of one prompt per loop step
-                prompt_pages=engine.prompt_pages(Tp, cs.page_size))
+                prompt_pages=paging.prompt_pages(Tp, cs.page_size))
 
 
 def _sds(x, sh):
@@ -370,7 +244,7 @@ def abstract_train_inputs(cfg: Any, mesh):
     (data, fsdp)); nothing is allocated."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from ba_jax import build, sampler, sharding
+    from ba_jax import build, sharding
 
     graphdef, params = abstract_policy(cfg)
     params = jax.tree.map(_sds, params, sharding.param_shardings(params, mesh))
@@ -383,7 +257,7 @@ def abstract_train_inputs(cfg: Any, mesh):
     state = dict(params=params, opt_state=jax.tree.map(_sds, opt, opt_sh),
                  step=jax.ShapeDtypeStruct((), np.int32, sharding=rep))
     B = train_rows(cfg)
-    Tp, R = sampler.prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
+    Tp, R = prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
     row = sharding.batch_sharding(mesh)
     i32, f32 = np.int32, np.float32
     shapes = dict(prompt_tokens_BT=((B, Tp), i32), prompt_mask_BT=((B, Tp), i32),
@@ -422,7 +296,7 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     `devices`: compile for these instead of the process's default devices."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from ba_jax import build, engine, run_config, sampler, sharding, train
+    from ba_jax import build, run_config, sharding, train
 
     devices = jax.devices() if devices is None else list(devices)
     have = len(devices)
@@ -437,35 +311,30 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     graphdef, tx, state, batch = abstract_train_inputs(cfg, mesh)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
     M = cfg.grpo.num_minibatches
-    step = train.make_train_step(cfg, graphdef, tx, state, mesh, num_groups=P // M)
+    step = train.make_train_step(build.loss_settings(cfg), graphdef, tx, state, mesh,
+                                 num_groups=P // M)
     out = dict(train=_memory(step.trace(state, batch).lower().compile()))
     out["train"]["planned_bytes"] = int(p["bytes"]["train_peak"])
     # The sampler call as the trainer makes it on one process: the decode copy of the
-    # policy (engine.decode_copy), one call per sampling shard of P / sample_shards prompts.
+    # policy (engine.call.decode_copy), one call per sampling shard of P / sample_shards prompts.
     Pg = P // cfg.rollout.sample_shards
-    Tp, R = sampler.prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
+    Tp, R = prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
     r = cfg.rollout
-    config = sampler.SamplingConfig(float(r.temperature), int(r.top_k), float(r.top_p))
-    rep = NamedSharding(mesh, PartitionSpec())
+    config = sampling.SamplingConfig(float(r.temperature), int(r.top_k), float(r.top_p))
     i32 = np.int32
     copy = decode_params(state["params"], run_config.DTYPES[cfg.model.dtype])
     copy = jax.tree.map(_sds, copy, sharding.decode_shardings(copy, mesh))
     key = jax.eval_shape(lambda: jax.random.key(0))
     tail = (key, jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((), i32))
-    if r.engine == "static":
-        run = sampler.rollout_fn(graphdef, Pg, Tp, G, R, config, mesh)
-        args = (copy, jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep),
-                jax.ShapeDtypeStruct((Pg, Tp), i32, sharding=rep)) + tail
-    else:
-        D = engine.row_devices(mesh)
-        cs = engine.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
-                               num_pages=r.kv_pages, num_devices=D,
-                               prefill_chunk=r.prefill_chunk)
-        run = engine.engine_fn(graphdef, cs, config, mesh)
-        rows = NamedSharding(mesh, PartitionSpec(sharding.row_axes(mesh)))
-        Pn, Bn = D * cs.prompts_per_device, D * cs.rows_per_device
-        args = ((copy,) + tuple(jax.ShapeDtypeStruct(s, i32, sharding=rows)
-                                for s in ((Pn, Tp), (Pn, Tp), (Bn,), (Bn,), (Bn,))) + tail)
+    D = engine_shapes.row_devices(mesh)
+    cs = engine_shapes.call_shape(Pg, Tp, G, R, num_slots=r.num_slots, page_size=r.page_size,
+                                  num_pages=r.kv_pages, num_devices=D,
+                                  prefill_chunk=r.prefill_chunk)
+    run = engine_loop.engine_fn(graphdef, cs, config, mesh)
+    rows = NamedSharding(mesh, PartitionSpec(sharding.row_axes(mesh)))
+    Pn, Bn = D * cs.prompts_per_device, D * cs.rows_per_device
+    args = ((copy,) + tuple(jax.ShapeDtypeStruct(s, i32, sharding=rows)
+                            for s in ((Pn, Tp), (Pn, Tp), (Bn,), (Bn,), (Bn,))) + tail)
     out["sample"] = _memory(run.trace(*args).lower().compile())
     out["sample"]["planned_bytes"] = int(p["bytes"]["sample_call"])
     return out
@@ -501,7 +370,7 @@ def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTIO
 
 def format_plan(p: dict, device: str | None = None) -> str:
     """Human-readable report of `plan(...)`; `device` restricts the verdict to one name."""
-    g = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
+    g = lambda n: f"{n / GIB:9.2f} GiB"
     b, m = p["bytes"], p["mesh"]
     lines = [
         f"model: {p['param_count']:,} parameters ({p['param_dtype']} storage, "
@@ -547,7 +416,7 @@ def format_plan(p: dict, device: str | None = None) -> str:
 
 def format_compiled(out: dict, num_devices: int, platform: str) -> str:
     """Human-readable report of `compiled_memory(...)` compiled on `platform` devices."""
-    g = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    g = lambda n: f"{n / GIB:8.2f} GiB"
     lines = [f"compiled on {num_devices} {platform} devices, per device:"]
     for name, m in out.items():
         lines.append(f"  {name:6s} argument {g(m['argument_bytes'])}  output {g(m['output_bytes'])}"

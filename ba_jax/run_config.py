@@ -14,17 +14,20 @@ build.py raises `ConfigError`, so the checks sit below the builder and import no
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ba_jax import aggregation, engine, grpo, sharding
+from ba_jax import aggregation, grpo, sharding
+from ba_jax.engine import shapes
 from ba_jax.models import attention, qwen
+from ba_jax.rollout import prompt_bucket
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-ROLLOUT_ENGINES = ("ba_jax", "static", "vllm")  # config.rollout.engine
+ROLLOUT_ENGINES = ("paged", "vllm")  # config.rollout.engine (`ba_jax`: the old name of paged)
 
 
 class ConfigError(ValueError):
@@ -145,8 +148,10 @@ def validate(cfg: Any, num_devices: int) -> None:
             "so every gradient would be zero)")
     for name in ("num_updates", "num_minibatches", "num_microbatches"):
         require(getattr(g, name) >= 1, f"config.grpo.{name} must be >= 1")
-    require(r.engine in ROLLOUT_ENGINES,
-            f"config.rollout.engine={r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
+    require(r.engine in ROLLOUT_ENGINES + ("ba_jax",),
+            f"config.rollout.engine={r.engine!r}; valid: {', '.join(ROLLOUT_ENGINES)}"
+            + (" (the static sampler is a benchmark baseline now: benchmarks/static_sampler.py)"
+               if r.engine == "static" else ""))
     if r.engine == "vllm":
         check_vllm(cfg)
     require(r.num_slots >= 0, f"config.rollout.num_slots={r.num_slots} must be >= 0 "
@@ -154,19 +159,21 @@ def validate(cfg: Any, num_devices: int) -> None:
     require(r.page_size >= 1, f"config.rollout.page_size={r.page_size} must be >= 1")
     require(r.prefill_chunk >= 0, f"config.rollout.prefill_chunk={r.prefill_chunk} must be "
             ">= 0 (0: whole prompts)")
-    if r.engine == "ba_jax" and r.kv_pages:
-        from ba_jax import sampler
-
-        Tp = sampler.prompt_bucket(cfg.data.max_prompt_tokens)
-        one = engine.pages_for(r.max_new_tokens, r.page_size) + engine.prompt_pages(
-            Tp, r.page_size)
-        D = sampling_devices(cfg, num_devices)
-        require(-(-r.kv_pages // D) >= one,
+    if r.engine != "vllm":  # the engine's own rule (`engine.shapes.call_shape`), once
+        try:
+            shapes.call_shape(max(r.prompts_per_step // max(r.sample_shards, 1), 1),
+                              prompt_bucket(cfg.data.max_prompt_tokens), r.num_samples,
+                              r.max_new_tokens, num_slots=r.num_slots, page_size=r.page_size,
+                              num_pages=r.kv_pages, prefill_chunk=r.prefill_chunk,
+                              num_devices=sampling_devices(cfg, num_devices))
+        except shapes.PoolTooSmall as e:
+            raise ConfigError(
                 f"config.rollout.kv_pages={r.kv_pages} cannot hold one sequence of "
                 f"config.rollout.max_new_tokens={r.max_new_tokens} tokens beside its prompt "
-                f"({one} pages of config.rollout.page_size={r.page_size}, the prompt padded to "
-                f"{Tp}) on each of the {D} row devices it is split over: give at least "
-                f"{one * D}, or 0 for every slot's full budget")
+                f"(config.rollout.page_size={r.page_size}): {e}; give more pages, or 0 for "
+                "every slot's full budget") from e
+        except ValueError as e:
+            raise ConfigError(f"config.rollout: {e}") from e
     require(r.sample_shards >= 1 and r.prompts_per_step % r.sample_shards == 0,
             f"config.rollout.sample_shards={r.sample_shards} must divide "
             f"config.rollout.prompts_per_step={r.prompts_per_step}")
@@ -225,16 +232,14 @@ def check_vllm(cfg: Any) -> None:
             " to build the vLLM environment, or set config.rollout.vllm_python")
     require(jax.process_count() == 1,
             "config.rollout.engine=vllm runs one engine beside one trainer process; with "
-            f"{jax.process_count()} processes use rollout.engine=ba_jax")
+            f"{jax.process_count()} processes use rollout.engine=paged")
 
 
 def check_positions(cfg: Any, mc: qwen.ModelConfig) -> None:
     """A row's positions (prompt bucket + response - 1) must fit the model's trained context
     `max_position_embeddings`, or the run says explicitly how far past it it may go
     (`config.model.position_limit`, what recipes that raise max_position_embeddings do)."""
-    from ba_jax import sampler
-
-    need = sampler.prompt_bucket(cfg.data.max_prompt_tokens) + cfg.rollout.max_new_tokens - 1
+    need = prompt_bucket(cfg.data.max_prompt_tokens) + cfg.rollout.max_new_tokens - 1
     limit = cfg.model.position_limit or mc.max_position_embeddings
     require(need <= limit,
             f"rows need {need} positions (config.data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
@@ -279,8 +284,15 @@ def preset_name(name: str) -> str:
 
 
 def model_config(cfg: Any) -> qwen.ModelConfig:
-    """ModelConfig from a preset name (any letter case) or the explicit fields of config.model."""
+    """The run's ModelConfig (the one derivation: trainer, planner, evaluation): a preset name
+    (any letter case), an `init=hf` folder's config.json without one, or the explicit fields
+    of config.model; the run-time options (`runtime_options`) applied."""
     m = cfg.model
+    path = os.path.join(m.init_path or "", "config.json")
+    if not m.preset and m.init == "hf" and os.path.isfile(path):
+        with open(path) as f:
+            hf = qwen.ModelConfig.from_hf_config(json.load(f))
+        return dataclasses.replace(hf, **runtime_options(cfg))
     if m.preset:
         return dataclasses.replace(qwen.PRESETS[preset_name(m.preset)], **runtime_options(cfg))
     return qwen.ModelConfig(

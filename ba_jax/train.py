@@ -29,44 +29,56 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from ba_jax import aggregation, build, checkpoint, data, distributed, engine, experience, grpo
+from ba_jax import (
+    aggregation,
+    build,
+    checkpoint,
+    data,
+    distributed,
+    experience,
+    grpo,
+    optim,
+    run_config,
+    sharding,
+    workdir_lock,
+)
 from ba_jax import metrics as metrics_lib
-from ba_jax import optim, run_config, sharding, workdir_lock
 from ba_jax.rewards import math as math_rewards
 from ba_jax.tasks import warmup
 
 
-def _loss_fn(params, mb, *, graphdef, g):
+def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
     logp_BR, ent_BR = grpo.policy_logprobs(graphdef, params, mb, with_entropy=True)
-    use_kl = g["kl_kind"] != "none"
-    loss, m = grpo.grpo_loss(
+    total, m = grpo.grpo_loss(
         logp_BR, mb["old_logp_BR"], mb["adv_B"], mb["w_BR"], mb["mask_BR"],
-        eps_low=g["eps_low"], eps_high=g["eps_high"], dual_clip=g["dual_clip"] or None,
-        ref_logp_BT=mb.get("ref_logp_BR") if use_kl else None,
-        kl_kind=g["kl_kind"] if use_kl else None, kl_beta=g["kl_beta"])
+        eps_low=loss.eps_low, eps_high=loss.eps_high, dual_clip=loss.dual_clip,
+        ref_logp_BT=mb.get("ref_logp_BR") if loss.kl_kind else None,
+        kl_kind=loss.kl_kind, kl_beta=loss.kl_beta)
     m["entropy"] = jnp.sum(mb["mask_BR"] * ent_BR)
-    return loss, m
+    return total, m
 
 
-def train_step(state, batch, *, graphdef, tx, rule, rule_options, g, num_groups, num_microbatches):
+def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_groups: int):
     """One optimizer step on one mini-batch; a non-finite loss/grad leaves state unchanged."""
+    rule = aggregation.resolve_rule(loss.aggregation)
     w_BR = aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"], batch["group_id_B"],
-                                     num_groups, **rule_options)
+                                     num_groups, **loss.rule_options)
     batch = dict(batch, w_BR=w_BR)
-    loss_fn = functools.partial(_loss_fn, graphdef=graphdef, g=g)
-    loss, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch, num_microbatches)
+    loss_fn = functools.partial(_loss_fn, graphdef=graphdef, loss=loss)
+    total, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch,
+                                                  loss.num_microbatches)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    keep = lambda new, old: jnp.where(finite, new, old)
     new_state = dict(
         params=jax.tree.map(keep, params, state["params"]),
         opt_state=jax.tree.map(keep, opt_state, state["opt_state"]),
         step=state["step"] + finite.astype(jnp.int32),
     )
     n = jnp.maximum(aux["num_tokens"], 1.0)
-    out = dict(loss=loss, pg_loss=aux["pg_loss"], grad_norm=grad_norm,
+    out = dict(loss=total, pg_loss=aux["pg_loss"], grad_norm=grad_norm,
                clipfrac_low=aux["clip_low"] / n, clipfrac_high=aux["clip_high"] / n,
                clipfrac_dual=aux["clip_dual"] / n, ratio_mean=aux["ratio"] / n,
                entropy=aux["entropy"] / n, weight_sum=aux["weight_sum"],
@@ -76,19 +88,14 @@ def train_step(state, batch, *, graphdef, tx, rule, rule_options, g, num_groups,
     return new_state, out
 
 
-def make_train_step(cfg, graphdef, tx: optax.GradientTransformation, state, mesh,
-                    num_groups: int):
+def make_train_step(loss: grpo.LossSettings, graphdef, tx: optax.GradientTransformation,
+                    state, mesh, num_groups: int):
     """jit(train_step) with the state's shardings, rows over (data, fsdp), state donated.
 
     `tx` is the optimizer `state["opt_state"]` was made by (`build.make_optimizer`).
     """
-    g = dict(cfg.grpo)
-    rule = aggregation.resolve_rule(g["aggregation"])
-    rule_options = dict(count_degenerate_groups=g["count_degenerate_groups"],
-                        max_len=g["constant_max_len"] or cfg.rollout.max_new_tokens)
-    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, rule=rule,
-                           rule_options=rule_options, g=g, num_groups=num_groups,
-                           num_microbatches=cfg.grpo.num_microbatches)
+    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
+                           num_groups=num_groups)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     row_sh = sharding.batch_sharding(mesh)
 
@@ -102,13 +109,13 @@ def make_train_step(cfg, graphdef, tx: optax.GradientTransformation, state, mesh
                    out_shardings=(state_sh, NamedSharding(mesh, PS())), donate_argnums=(0,))
 
 
-def make_reference_fn(cfg, graphdef, ref_params, mesh):
+def make_reference_fn(num_microbatches: int, graphdef, ref_params, mesh):
     """jit of response log-probs on a mini-batch under parameters laid out like `ref_params`
     (the frozen KL reference, or the policy itself for old_logp), micro-batched as the train
     step is (`grpo.reference_logprobs`), rows over (data, fsdp)."""
     row_sh = sharding.batch_sharding(mesh)
     fn = functools.partial(grpo.reference_logprobs, graphdef,
-                           num_microbatches=cfg.grpo.num_microbatches)
+                           num_microbatches=num_microbatches)
 
     def ref(params, batch):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -122,22 +129,6 @@ def _logp_diff(new_BR, old_BR, mask_BR):
     """(sum of |new - old| over the mask, its max, the mask's count)."""
     d_BR = jnp.where(mask_BR > 0, jnp.abs(new_BR - old_BR), 0.0)
     return jnp.sum(d_BR), jnp.max(d_BR), jnp.sum(mask_BR)
-
-
-def _start_vllm(cfg, model_cfg):
-    """The vLLM engine process of `rollout.engine=vllm` (run_config.check_vllm has checked its
-    environment); a failed start is a ConfigError naming the cause."""
-    from ba_jax import sampler, vllm_rollout
-
-    r = cfg.rollout
-    try:
-        return vllm_rollout.VllmEngine(
-            model_cfg, dtype=cfg.model.dtype, python=r.vllm_python or None, seed=cfg.seed,
-            max_model_len=sampler.prompt_bucket(cfg.data.max_prompt_tokens) + r.max_new_tokens,
-            max_num_seqs=r.prompts_per_step // r.sample_shards * r.num_samples,
-            enforce_eager=r.vllm_enforce_eager)
-    except (ValueError, vllm_rollout.VllmEngineError) as e:
-        raise run_config.ConfigError(f"config.rollout.engine=vllm: {e}") from e
 
 
 def replicate_unsharded(tree, mesh):
@@ -258,18 +249,18 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
                 f"plots {plots}, checkpoint {ckpt.directory}")
 
     M = cfg.grpo.num_minibatches
-    step_fn = make_train_step(cfg, graphdef, tx, state, mesh, num_groups=P // M)
+    loss = build.loss_settings(cfg)
+    step_fn = make_train_step(loss, graphdef, tx, state, mesh, num_groups=P // M)
     ref_params, ref_fn = None, None
-    if cfg.grpo.kl_kind != "none":  # validate: kl_beta > 0 with it, and only with it
+    if loss.kl_kind is not None:  # validate: kl_beta > 0 with it, and only with it
         # the frozen reference: the starting policy in the compute dtype, sharded like it
         ref_params = jax.jit(functools.partial(
             grpo.compute_copy, dtype=run_config.DTYPES[cfg.model.dtype]))(state["params"])
-        ref_fn = make_reference_fn(cfg, graphdef, ref_params, mesh)
+        ref_fn = make_reference_fn(loss.num_microbatches, graphdef, ref_params, mesh)
     rep = NamedSharding(mesh, PS())
     diag_fn = jax.jit(functools.partial(
-        aggregation.diagnostics, aggregation.resolve_rule(cfg.grpo.aggregation),
-        num_groups=P, count_degenerate_groups=cfg.grpo.count_degenerate_groups,
-        max_len=cfg.grpo.constant_max_len or cfg.rollout.max_new_tokens), out_shardings=rep)
+        aggregation.diagnostics, aggregation.resolve_rule(loss.aggregation), num_groups=P,
+        **loss.rule_options), out_shardings=rep)
     row_sh = sharding.batch_sharding(mesh)
     primary = distributed.is_primary()
     writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,
@@ -282,14 +273,15 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     G, S = cfg.rollout.num_samples, cfg.rollout.sample_shards
     per_proc = S // jax.process_count()
     shards = list(range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc))
-    sample_mesh = distributed.local_mesh(mesh) if jax.process_count() > 1 else mesh
-    compute_dtype = run_config.DTYPES[cfg.model.dtype]
-    # old_logp from the trainer's own forward before the update (vLLM's log-probs come from
-    # another implementation: the difference is logged as the train-inference mismatch)
-    recompute = cfg.rollout.engine == "vllm" and cfg.rollout.vllm_logprobs == "recompute"
-    old_fn = make_reference_fn(cfg, graphdef, state["params"], mesh) if recompute else None
+    sampling = build.sampling_settings(cfg, eos_ids, tokenizer.pad_token_id)
+    exp_settings = build.experience_settings(cfg)
+    # old_logp from the trainer's own forward before the update where the engine's log-probs
+    # come from another implementation (vLLM): the difference is logged as the mismatch
+    recompute = build.old_logp_recompute(cfg)
+    old_fn = (make_reference_fn(loss.num_microbatches, graphdef, state["params"], mesh)
+              if recompute else None)
     diff_fn = jax.jit(_logp_diff, out_shardings=rep)
-    vllm_engine = None
+    rollout_engine = None
 
     def next_prompts():
         idx = iterator.next_batch()
@@ -299,27 +291,19 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
     last_save_s = 0.0
     finished = False
     try:
-        if cfg.rollout.engine == "vllm":  # started here, so `finally` always stops it
-            vllm_engine = _start_vllm(cfg, model_cfg)
+        # started here, so `finally` always stops it (vLLM: an engine process)
+        rollout_engine = build.make_rollout_engine(cfg, graphdef, mesh, model_cfg)
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
-            # The sampler's weights, handed over once per step: the compute-dtype copy, whole
-            # on every row device (a reshard of the FSDP-split master, cast before it moves);
-            # several processes: each samples its shards on all of its own devices. vLLM:
-            # the weights synced into its process.
-            if vllm_engine is not None:
-                policy, decoder = vllm_engine, None
-                sync_s = vllm_engine.sync_weights(state["params"])
-            else:
-                decoder = jax.block_until_ready(
-                    engine.decode_copy(state["params"], mesh, compute_dtype))
-                sync_s = time.perf_counter() - t0
-                policy = nnx.merge(graphdef, distributed.to_local(decoder, sample_mesh))
+            # The engine's weights, handed over once per step (the paged engine: a compute-
+            # dtype copy whole on every row device; vLLM: synced into its process), and
+            # released before the update, which needs the memory
+            sync_s = rollout_engine.sync(state["params"])
             exp = experience.collect(
-                policy, next_prompts, cfg=cfg, key=jax.random.fold_in(jax.random.key(cfg.seed), it),
-                tokenizer=tokenizer, scorer=scorer, eos_ids=eos_ids,
-                rule=prompt_set.reward_rule, mesh=sample_mesh, shards=shards)
-            del decoder, policy  # not held through the update
+                rollout_engine, next_prompts, settings=exp_settings, sampling=sampling,
+                key=jax.random.fold_in(jax.random.key(cfg.seed), it), tokenizer=tokenizer,
+                scorer=scorer, eos_ids=eos_ids, rule=prompt_set.reward_rule, shards=shards)
+            rollout_engine.release()
             t1 = time.perf_counter()
             batch = exp.batch
             dev = distributed.put_local_rows(
@@ -382,8 +366,8 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
         writer.close(finished=finished)  # a failed run's bar is not left at 100%
         scorer.close()
         ckpt.close()
-        if vllm_engine is not None:
-            vllm_engine.close()
+        if rollout_engine is not None:
+            rollout_engine.close()
     try:
         from ba_jax import plot
 

@@ -1,10 +1,10 @@
 """vLLM as a rollout engine: the trainer-side client of an engine process running vLLM.
 
-Lives here: `VllmEngine` (starts `vllm_worker.py` under `.venv-vllm`, syncs weights into it,
-returns `sampler.Rollout`s), `hf_weights` (parameters -> (HF key, host array in the engine
-dtype), a pure function) and `weight_layout`. Not here: the engine process and its framing
+Lives here: `VllmEngine` (a `rollout.RolloutEngine`: starts `vllm_worker.py` under
+`.venv-vllm`, syncs weights into it, returns `rollout.Rollout`s), `hf_weights` (parameters ->
+(HF key, host array in the engine dtype), a pure function) and `weight_layout`. Not here: the engine process and its framing
 (`vllm_worker.py`), the HF key table (`models/convert_hf.py`), the Rollout and the request
-checks (`sampler.py`), per-row budgets (`engine.row_budgets`).
+checks and per-row budgets (`rollout.SamplingSettings`).
 
     with VllmEngine(model.config, dtype="bfloat16", max_model_len=1024) as eng:
         seconds = eng.sync_weights(nnx.state(model, nnx.Param))   # every optimizer step
@@ -72,10 +72,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ba_jax import engine as engine_lib
-from ba_jax import sampler, vllm_worker
+from ba_jax import vllm_worker
 from ba_jax.models import convert_hf
 from ba_jax.models.qwen import ModelConfig
+from ba_jax.rollout import Rollout, SamplingSettings, prompt_arrays, to_rollout
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PYTHON = os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python")
@@ -409,33 +409,28 @@ class VllmEngine:
             raise ValueError(f"parameters do not match the engine's model config: missing "
                              f"{missing}, unexpected {extra}, wrong shape {wrong}")
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        num_samples: int,
-        max_new_tokens: int | Sequence[int] | np.ndarray,
-        key: Any,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        eos_ids: Sequence[int],
-        pad_id: int | None = None,
-        ignore_eos: bool = False,
-    ) -> sampler.Rollout:
-        """`sampler.generate`'s contract through vLLM: `num_samples` responses per prompt
-        (temperature 0: greedy), rows of a prompt contiguous; `max_new_tokens` an int, one
-        per prompt or one per row, arrays as wide as the largest. `key`: a JAX key or an
-        int seed. Stops on `eos_ids` only (the EOS is part of the response);
-        `ignore_eos=True` runs every row to its budget (benchmarks: vLLM refuses stop ids
-        outside the vocabulary, the in-house samplers' way of forcing full length)."""
+    def sync(self, params: Any) -> float:
+        """`RolloutEngine.sync`: the weights loaded into the engine process (`sync_weights`)."""
+        return self.sync_weights(params)
+
+    def release(self) -> None:
+        """`RolloutEngine.release`: nothing; the engine's weights live in its own process."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 key: Any, *, ignore_eos: bool = False) -> Rollout:
+        """`RolloutEngine.generate` through vLLM: `sampling.num_samples` responses per prompt
+        (temperature 0: greedy), rows of a prompt contiguous; budgets an int, one per prompt
+        or one per row, arrays as wide as the largest. `key`: a JAX key or an int seed (one
+        vLLM seed per row drawn from it). Stops on the EOS ids only (the EOS is part of the
+        response); `ignore_eos=True` runs every row to its budget (benchmarks: vLLM refuses
+        stop ids outside the vocabulary, the in-house engine's way of forcing full length)."""
         self._check_open()
         if not self._synced:
             raise VllmEngineError("the engine holds dummy weights: call sync_weights first")
-        eos, pad, config, prompt_PT, pmask_PT = sampler.prepare_request(
-            prompts, eos_ids, pad_id, temperature, top_k, top_p)
-        P, G = len(prompts), int(num_samples)
-        budget_B = engine_lib.row_budgets(max_new_tokens, P, G)
+        eos, pad, config = np.asarray(sampling.eos_ids, np.int32), sampling.pad, sampling.draw
+        prompt_PT, pmask_PT = prompt_arrays(prompts, pad)
+        P, G = len(prompts), int(sampling.num_samples)
+        budget_B = sampling.row_budgets(P)
         R = int(budget_B.max())
         longest = max(len(p) for p in prompts) + R
         if longest > self.max_model_len:
@@ -462,7 +457,7 @@ class VllmEngine:
             slogp_BR = np.where(mask_BR, np.nan, 0.0).astype(np.float32)
         rows = dict(tokens=out["tokens"], logprobs=logp_BR, sampling_logprobs=slogp_BR,
                     mask=mask_BR, done=out["eos"].astype(bool))
-        ro = sampler.to_rollout(rows, prompt_PT, pmask_PT, G)
+        ro = to_rollout(rows, prompt_PT, pmask_PT, G)
         self.last_generate = {"seconds": time.perf_counter() - t0,
                               "engine_s": reply["seconds"], "tokens": int(ro.lengths.sum())}
         return ro

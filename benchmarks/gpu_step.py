@@ -3,7 +3,8 @@
 Workload: the Qwen3-1.7B preset (1.72B parameters, random weights), float32 master weights
 and AdamW state, bfloat16 compute, layer remat. Train: the real jitted `train.train_step`
 (aggregation weights, clipped surrogate, micro-batch accumulation, AdamW) on 4 prompts x 4
-samples of 512 prompt + 1536 response tokens, 4 micro-batches. Sampling: `sampler.generate` (the rollout engine, from `engine.decode_copy` weights)
+samples of 512 prompt + 1536 response tokens, 4 micro-batches. Sampling: `sampler.generate` (the rollout engine, from
+`engine.call.decode_copy` weights)
 of 8 prompts x 16 samples, 256 prompt tokens, 512 new tokens. Rows are split over every
 visible GPU (mesh data=-1). The peer is the hardware: MFU = model FLOP/s / (peak bf16 dense
 FLOP/s x GPUs), with
@@ -116,7 +117,7 @@ def bench_train(cfg, devices, steps: int):
     graphdef, params = build.init_policy(cfg, mesh)
     tx, _ = build.make_optimizer(cfg)
     state = train.init_state(params, tx, mesh)
-    step_fn = train.make_train_step(cfg, graphdef, tx, state, mesh,
+    step_fn = train.make_train_step(build.loss_settings(cfg), graphdef, tx, state, mesh,
                                     num_groups=cfg.rollout.prompts_per_step)
     vocab = run_config.model_config(cfg).vocab_size
     batch = sharding.shard_batch(synthetic_batch(cfg, vocab, np.random.default_rng(0)), mesh)
@@ -137,11 +138,12 @@ def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]
     import jax
     from flax import nnx
 
-    from ba_jax import engine, sampler
+    from ba_jax import sampler
+    from ba_jax.engine import call
 
     # the trainer's hand-off: a compute-dtype copy whole on every row device, then the engine
     dtype = nnx.merge(graphdef, params).dtype
-    model = nnx.merge(graphdef, engine.decode_copy(params, mesh, dtype))
+    model = nnx.merge(graphdef, call.decode_copy(params, mesh, dtype))
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, vocab - 1, args.sample_prompt_len)) for _ in
                range(args.sample_prompts)]
@@ -295,9 +297,9 @@ def main(argv=None) -> None:
 
     sec, gen = bench_sampler(graphdef, state["params"], args, mc.vocab_size,
                              build.make_mesh(cfg, devices))
-    from ba_jax import sampler
+    from ba_jax import rollout
 
-    S = sampler.prompt_bucket(args.sample_prompt_len) + args.sample_new_tokens
+    S = rollout.prompt_bucket(args.sample_prompt_len) + args.sample_new_tokens
     flops_dec = 2 * n_params + 4 * L * N * H * S
     mfu_dec = _pct(gen / sec * flops_dec / (peak * 1e12 * len(devices)))
     print(f"sample: {args.sample_prompts} prompts x {args.sample_samples} samples, "

@@ -1,4 +1,4 @@
-"""Sampling throughput of `ba_jax.sampler.generate_static` (the static sampler) against
+"""Sampling throughput of the static sampler (`static_sampler.generate_static`) against
 transformers `generate`, and of the rollout engine (`sampler.generate`) against the static one.
 
 Workload (spec/performance.md): the reference Qwen3 model (vocab 8192, hidden 512, 8 layers,
@@ -47,7 +47,9 @@ import torch  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import _workers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from ba_jax import engine, sampler  # noqa: E402
+from ba_jax import sampler  # noqa: E402
+from ba_jax.rollout import SamplingSettings  # noqa: E402
+import static_sampler  # noqa: E402  (beside this file)
 from flax import nnx  # noqa: E402
 from ba_jax.models import convert_hf  # noqa: E402
 
@@ -77,7 +79,7 @@ def ours_setup(model_dir: str, precision: str):
     def run_once() -> float:
         calls[0] += 1
         t0 = time.perf_counter()
-        ro = sampler.generate_static(model, prompts, num_samples=G, max_new_tokens=M,
+        ro = static_sampler.generate_static(model, prompts, num_samples=G, max_new_tokens=M,
                               key=jax.random.key(calls[0]), temperature=1.0,
                               eos_ids=[V])  # id V is never sampled: every row runs full length
         dt = time.perf_counter() - t0
@@ -115,7 +117,7 @@ def heavy_setup(model_dir: str, precision: str, which: str):
         kw = dict(num_samples=G, key=jax.random.key(calls[0]), temperature=1.0, eos_ids=[V])
         t0 = time.perf_counter()
         if which == "engine":
-            ro, st = engine.generate(model, prompts, max_new_tokens=budgets, return_stats=True,
+            ro, st = sampler.generate(model, prompts, max_new_tokens=budgets, return_stats=True,
                                      **kw)
             dt = time.perf_counter() - t0
             assert (ro.lengths == budgets).all(), "a row missed its budget"
@@ -124,7 +126,7 @@ def heavy_setup(model_dir: str, precision: str, which: str):
                         kv_held=kv_bytes(st.peak_pages * st.page_size, dtype),
                         kv_live=kv_bytes(st.live_at_peak, dtype))
         else:
-            ro = sampler.generate_static(model, prompts, max_new_tokens=HEAVY_CAP, **kw)
+            ro = static_sampler.generate_static(model, prompts, max_new_tokens=HEAVY_CAP, **kw)
             dt = time.perf_counter() - t0
             assert ro.mask.all(), "a row stopped early"
             info.update(useful_fraction=useful / (P * G * HEAVY_CAP),
@@ -186,8 +188,9 @@ def vllm_setup(model_dir: str, precision: str, workload: str):
     def run_once() -> float:
         calls[0] += 1
         t0 = time.perf_counter()
-        ro = eng.generate(prompts, num_samples=G, max_new_tokens=budgets, key=calls[0],
-                          temperature=1.0, eos_ids=[0], ignore_eos=True)
+        budget = int(budgets) if np.ndim(budgets) == 0 else tuple(int(b) for b in budgets)
+        ro = eng.generate(prompts, SamplingSettings(G, budget, (0,), temperature=1.0),
+                          calls[0], ignore_eos=True)
         dt = time.perf_counter() - t0
         assert (ro.lengths == np.broadcast_to(budgets, (P * G,))).all(), "a row missed its budget"
         return dt

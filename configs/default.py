@@ -88,12 +88,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              # Independent sampler calls per step (own key each); a multiple of the number
              # of processes, each of which samples its own shards.
              sample_shards=1,
-             # Who samples: "ba_jax", the rollout engine (ba_jax.engine: continuous batching
-             # over a paged KV cache, rows split over the mesh's data/fsdp devices);
-             # "static", the static sampler kept as its baseline (every row in one batch
-             # until the last one ends); "vllm", a vLLM engine process (make vllm builds its
-             # environment; ba_jax.vllm_rollout), weights synced every step.
-             engine="ba_jax",
+             # Who samples: "paged", the in-house rollout engine (ba_jax.engine: continuous
+             # batching over a paged KV cache, rows split over the mesh's data/fsdp devices;
+             # "ba_jax" is its old name, still accepted); "vllm", a vLLM engine process (make
+             # vllm builds its environment; ba_jax.vllm_rollout), weights synced every step.
+             engine="paged",
              # vLLM only: the engine environment's python ("": the repo's .venv-vllm), skip
              # its torch.compile (a ~10 s start instead of ~40 s, slower decoding), and
              # where old_logp comes from: "recompute" (the trainer's own forward before the

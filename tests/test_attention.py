@@ -16,6 +16,7 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
 from ba_jax.models import attention as A
+from ba_jax.models.attention import cudnn, flash, reference, splash
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -168,11 +169,11 @@ def test_chunked_skips_blocks_above_diagonal(T, bq, bk):
     nq, nk = Tq // bq, Tk // bk
     expected = sum(j * bk <= (i + 1) * bq - 1 for i in range(nq) for j in range(nk))
     assert expected < nq * nk
-    q5 = A._pad_time(q, Tq).reshape(B, Tq, K, N // K, H)
-    k, v, valid_k = (A._pad_time(x, Tk) for x in (k, v, valid))
-    args = (q5, k, v, A._pad_time(valid, Tq), valid_k)
-    o, lse, n_fwd = jax.jit(A._flash_forward, static_argnums=(5, 6))(*args, bq, bk)
-    *_, n_bwd = jax.jit(A._flash_backward, static_argnums=(2, 3))((*args, o, lse), o, bq, bk)
+    q5 = reference.pad_time(q, Tq).reshape(B, Tq, K, N // K, H)
+    k, v, valid_k = (reference.pad_time(x, Tk) for x in (k, v, valid))
+    args = (q5, k, v, reference.pad_time(valid, Tq), valid_k)
+    o, lse, n_fwd = jax.jit(flash._flash_forward, static_argnums=(5, 6))(*args, bq, bk)
+    *_, n_bwd = jax.jit(flash._flash_backward, static_argnums=(2, 3))((*args, o, lse), o, bq, bk)
     assert int(n_fwd) == expected
     assert int(n_bwd) == expected
 
@@ -187,7 +188,7 @@ def test_cudnn_wrapper_on_cpu(T):
     semantics; jax's xla SDPA stands in for the cuDNN kernel."""
     q, k, v, ct, valid = make_inputs(5, T, 4, 2, 16)
     want = out_and_grads(ref_fn(valid), q, k, v, ct)
-    got = out_and_grads(lambda q, k, v: A._cudnn(q, k, v, valid, sdpa_impl="xla"), q, k, v, ct)
+    got = out_and_grads(lambda q, k, v: cudnn.cudnn(q, k, v, valid, sdpa_impl="xla"), q, k, v, ct)
     assert_matches(got, want, 1e-5)
     assert_invalid_zero(got[0], valid)
 
@@ -239,7 +240,7 @@ def test_cudnn_lowers_for_cuda():
 
 
 def splash_interpret(valid, **kw):
-    return lambda q, k, v: A._splash(q, k, v, valid, 128, 128, interpret=True, **kw)
+    return lambda q, k, v: splash.splash(q, k, v, valid, 128, 128, interpret=True, **kw)
 
 
 def test_splash_interpret_matches_xla():
@@ -412,18 +413,18 @@ def test_paged_decode_attention_gather_and_tpu_kernel():
 
 def test_paged_gpu_kernel_in_the_interpreter():
     """jax's GPU (Triton) paged-attention kernel, run by the Pallas interpreter
-    (`gpu_interpret`), matches the float64 reference: several pages per block, split-K
+    (`interpret=True`), matches the float64 reference: several pages per block, split-K
     partitions (the table padded to whole blocks and partitions), rows of one token and of
     the whole table; in bf16 to bf16 rounding."""
     q, k, v, table, lengths = paged_inputs(F32)
     want = paged_reference(q, k, v, np.asarray(table), np.asarray(lengths))
-    with A.gpu_interpret():
-        for ppb in (1, 2, 8):
-            got = np.asarray(A.paged_decode_attention(q, k, v, table, lengths,
-                                                      impl="pallas_gpu", pages_per_block=ppb))
-            np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
-        q16, k16, v16 = (x.astype(BF16) for x in (q, k, v))
-        got16 = A.paged_decode_attention(q16, k16, v16, table, lengths, impl="pallas_gpu")
+    for ppb in (1, 2, 8):
+        got = np.asarray(A.paged_decode_attention(q, k, v, table, lengths, impl="pallas_gpu",
+                                                  pages_per_block=ppb, interpret=True))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    q16, k16, v16 = (x.astype(BF16) for x in (q, k, v))
+    got16 = A.paged_decode_attention(q16, k16, v16, table, lengths, impl="pallas_gpu",
+                                     interpret=True)
     truth = paged_reference(q16, k16, v16, np.asarray(table), np.asarray(lengths))
     assert got16.dtype == BF16
     np.testing.assert_allclose(np.asarray(got16, np.float32), truth, atol=3e-2, rtol=0)

@@ -12,12 +12,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ba_jax import engine, grpo
+from ba_jax import grpo, sampler
+from ba_jax.engine import call, loop, queue, shapes
+from ba_jax.rollout import EngineSettings, SamplingSettings
 from test_sampler import PROMPTS, _hf_greedy, _tiny
 
 # few slots and small pages, so samples queue for slots and cross page boundaries; prompts
 # (3, 9 and 20 tokens) prefilled 5 tokens per loop step, over the pages earlier chunks wrote
 SMALL = dict(num_slots=5, page_size=4, prefill_chunk=5)
+
+
+def _queue(model, *, num_samples, max_new_tokens, key, eos_ids, pad_id=None, temperature=1.0,
+           top_k=0, top_p=1.0, prompts_per_call=32, mesh=None, **engine_options):
+    """A request queue with the keyword settings of a sampling call."""
+    sampling = SamplingSettings(num_samples, max_new_tokens, tuple(eos_ids), temperature, top_k,
+                                top_p, pad_id)
+    return queue.RequestQueue(model, sampling, key,
+                              EngineSettings(prompts_per_call=prompts_per_call, **engine_options),
+                              mesh=mesh)
 
 
 def test_greedy_matches_transformers_with_fewer_slots_than_rows(tmp_path_factory):
@@ -26,7 +38,7 @@ def test_greedy_matches_transformers_with_fewer_slots_than_rows(tmp_path_factory
     free = _hf_greedy(path, PROMPTS, M, eos=127, pad=0)
     eos = int(free[1, 4])  # an EOS the random model emits: rows stop at different steps
     want = _hf_greedy(path, PROMPTS, M, eos=eos, pad=0)
-    ro, st = engine.generate(model, PROMPTS, num_samples=4, max_new_tokens=M, temperature=0.0,
+    ro, st = sampler.generate(model, PROMPTS, num_samples=4, max_new_tokens=M, temperature=0.0,
                              key=jax.random.key(0), eos_ids=[eos], pad_id=0,
                              return_stats=True, **SMALL)
     np.testing.assert_array_equal(ro.tokens, np.repeat(want, 4, axis=0))
@@ -39,7 +51,7 @@ def test_greedy_matches_transformers_with_fewer_slots_than_rows(tmp_path_factory
 def test_logprobs_equal_the_trainers_with_per_row_budgets(tmp_path_factory):
     _, model = _tiny("qwen3", tmp_path_factory)
     budgets = np.array([10, 3, 7, 1, 9, 10])  # one per row: 2 prompts x 3 samples
-    ro = engine.generate(model, PROMPTS[:2], num_samples=3, max_new_tokens=budgets,
+    ro = sampler.generate(model, PROMPTS[:2], num_samples=3, max_new_tokens=budgets,
                          temperature=0.5, key=jax.random.key(3), eos_ids=[2, 7], **SMALL)
     assert ro.tokens.shape == (6, 10)
     assert (ro.lengths <= budgets).all() and ro.lengths[3] == 1
@@ -65,7 +77,7 @@ def test_same_rollouts_whatever_the_slots_and_pages(tmp_path_factory):
     # most 5 pages: its prompt's partial last page copied, then its 11 decoded tokens) at a
     # time: prompts are prefilled inside the loop, one after the other, as pages free up.
     # Prefill: whole buckets (one forward), then chunks of 7 and 4 tokens.
-    runs = [engine.generate(model, PROMPTS, num_slots=s, page_size=p, num_pages=n,
+    runs = [sampler.generate(model, PROMPTS, num_slots=s, page_size=p, num_pages=n,
                             prefill_chunk=c, **kw)
             for s, p, n, c in ((12, 16, 0, 0), (2, 3, 0, 7), (3, 3, 16, 4))]
     (a, sa), *rest = runs
@@ -86,26 +98,29 @@ def test_pool_too_small_and_bad_budgets_are_start_up_errors(tmp_path_factory):
     _, model = _tiny("qwen3", tmp_path_factory)
     kw = dict(num_samples=2, key=jax.random.key(0), eos_ids=[2])
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        engine.generate(model, PROMPTS[:1], max_new_tokens=33, page_size=4, num_pages=7, **kw)
+        sampler.generate(model, PROMPTS[:1], max_new_tokens=33, page_size=4, num_pages=7, **kw)
     with pytest.raises(ValueError, match="one per prompt"):
-        engine.generate(model, PROMPTS[:1], max_new_tokens=[4, 4, 4], **kw)
+        sampler.generate(model, PROMPTS[:1], max_new_tokens=[4, 4, 4], **kw)
     with pytest.raises(ValueError, match=">= 1"):
-        engine.generate(model, PROMPTS[:1], max_new_tokens=[4, 0], **kw)
+        sampler.generate(model, PROMPTS[:1], max_new_tokens=[4, 0], **kw)
     with pytest.raises(ValueError, match="prefill_chunk=-1"):
-        engine.generate(model, PROMPTS[:1], max_new_tokens=4, prefill_chunk=-1, **kw)
+        sampler.generate(model, PROMPTS[:1], max_new_tokens=4, prefill_chunk=-1, **kw)
 
 
 @pytest.mark.parametrize("overrides", [{"rollout.num_slots": 8, "rollout.page_size": 4},
-                                       {"rollout.engine": "static"}], ids=["engine", "static"])
-def test_training_with_each_sampler(tmp_path, overrides):
-    """The RL loop samples with the engine (the default; here fewer slots than rows, small
-    pages, rows over the 8-device mesh) or the static sampler; the run completes and logs."""
+                                       {"rollout.engine": "ba_jax"}], ids=["paged", "alias"])
+def test_training_with_the_paged_engine(tmp_path, overrides, capsys):
+    """The RL loop samples with the paged engine (here fewer slots than rows, small pages,
+    rows over the 8-device mesh), also under its old name `ba_jax` (accepted with a
+    one-line deprecation note); the run completes and logs."""
     from ba_jax import train
     from ba_jax.metrics import read_metrics
     from test_train import debug_config
 
     cfg = debug_config(**{"num_train_steps": 2, **overrides})
     train.train_and_evaluate(cfg, str(tmp_path))
+    deprecated = "rollout.engine='ba_jax' is deprecated" in capsys.readouterr().out
+    assert deprecated == (overrides.get("rollout.engine") == "ba_jax")
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) and r["generated_tokens"] > 0 for r in rows)
@@ -123,25 +138,25 @@ def test_row_parallel_decode_equals_one_device(tmp_path_factory, axes):
     mesh = make_mesh(axes)
     sharded = convert_hf.load_hf(path, dtype=jnp.float32, mesh=mesh)
     graphdef, state = nnx.split(sharded)
-    copy = engine.decode_copy(state, mesh, jnp.float32)
+    copy = call.decode_copy(state, mesh, jnp.float32)
     want_sh = decode_shardings(state, mesh)
     for leaf, sh in zip(jax.tree.leaves(copy), jax.tree.leaves(want_sh)):
         assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
     decoder = nnx.merge(graphdef, copy)
     kw = dict(num_samples=4, max_new_tokens=[12, 5, 9], temperature=1.0, key=jax.random.key(4),
               eos_ids=[2], return_stats=True, num_slots=6, page_size=4)
-    want, sw = engine.generate(model, PROMPTS, **kw)
-    got, sg = engine.generate(decoder, PROMPTS, mesh=mesh, **kw)
+    want, sw = sampler.generate(model, PROMPTS, **kw)
+    got, sg = sampler.generate(decoder, PROMPTS, mesh=mesh, **kw)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.mask, want.mask)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
-    assert sg.num_devices == engine.row_devices(mesh) > 1
+    assert sg.num_devices == shapes.row_devices(mesh) > 1
     assert sg.busy_slot_steps == sw.busy_slot_steps == int((want.lengths - 1).sum())
 
 
 def test_row_layout_covers_every_row_once():
     for P, G, D in ((3, 4, 8), (3, 4, 4), (4, 4, 8), (2, 16, 8), (5, 3, 2), (1, 2, 4)):
-        lay = engine.row_layout(P, G, D)
+        lay = shapes.row_layout(P, G, D)
         b = lay.rows_per_device
         assert D * b >= P * G and b == -(-(P * G) // D)
         index = lay.prompt_index.reshape(D, lay.prompts_per_device)
@@ -151,19 +166,18 @@ def test_row_layout_covers_every_row_once():
 
 
 def test_queue_gives_each_request_the_same_samples_however_it_is_batched(tmp_path_factory):
-    """engine_queue.Engine: requests of mixed prompt buckets and budgets, stepped in calls of
+    """engine.queue.RequestQueue: requests of mixed prompt buckets and budgets, stepped in calls of
     2 or 3 prompts (the last call of a bucket padded), give the samples `engine.generate`
     draws for the same rows in one call: a request's keys are its own."""
-    from ba_jax import engine_queue
 
     _, model = _tiny("qwen3", tmp_path_factory)
     prompts = PROMPTS + [[3, 4], list(range(60, 80))]  # buckets 16, 16, 32, 16, 32
     budgets = [9, 4, 7, 9, 2]
     kw = dict(num_samples=3, temperature=1.0, key=jax.random.key(11), eos_ids=[2])
-    want = engine.generate(model, prompts, max_new_tokens=budgets, num_slots=4, page_size=4,
+    want = sampler.generate(model, prompts, max_new_tokens=budgets, num_slots=4, page_size=4,
                            **kw)
     for per_call in (2, 3):
-        q = engine_queue.Engine(model, max_new_tokens=9, prompts_per_call=per_call,
+        q = _queue(model, max_new_tokens=9, prompts_per_call=per_call,
                                 num_slots=3, page_size=4, **kw)
         rids = [q.add(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
         assert rids == list(range(5)) and q.pending == 5
@@ -181,7 +195,7 @@ def test_queue_gives_each_request_the_same_samples_however_it_is_batched(tmp_pat
     with pytest.raises(ValueError, match="max_new_tokens <= 9"):
         q.add([1, 2], max_new_tokens=10)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
-        engine_queue.Engine(model, max_new_tokens=40, page_size=4, num_pages=3, **kw)
+        _queue(model, max_new_tokens=40, page_size=4, num_pages=3, **kw)
 
 
 def test_tpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
@@ -203,12 +217,12 @@ def test_tpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
     model = convert_hf.load_hf(path, dtype=jnp.float32)
     kw = dict(num_samples=2, max_new_tokens=[7, 5], temperature=0.0, key=jax.random.key(0),
               eos_ids=[2], num_slots=3, page_size=4)
-    want = engine.generate(model, PROMPTS[:2], **kw)
+    want = sampler.generate(model, PROMPTS[:2], **kw)
     graphdef, state = nnx.split(model)
     tpu = nnx.merge(graphdef, state)
     tpu.config = dataclasses.replace(model.config, attention="splash")
     with pltpu.force_tpu_interpret_mode():
-        got = engine.generate(tpu, PROMPTS[:2], **kw)
+        got = sampler.generate(tpu, PROMPTS[:2], **kw)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.mask, want.mask)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-2, rtol=0)
@@ -226,14 +240,13 @@ def test_gpu_paged_kernel_gives_the_gather_paths_rollouts(tmp_path_factory):
     _, model = _tiny("qwen3", tmp_path_factory)
     kw = dict(num_samples=2, max_new_tokens=[7, 5], temperature=0.0, key=jax.random.key(0),
               eos_ids=[2], num_slots=3, page_size=4, prefill_chunk=4)
-    want = engine.generate(model, PROMPTS[:2], **kw)
+    want = sampler.generate(model, PROMPTS[:2], **kw)
     graphdef, state = nnx.split(model)
     gpu = nnx.merge(graphdef, state)
-    gpu.config = dataclasses.replace(model.config, attention="cudnn")
+    gpu.config = dataclasses.replace(model.config, attention="cudnn", kernel_interpret=True)
     assert attention.paged_impl("cudnn", dtype=gpu.dtype, head_dim=gpu.config.head_dim,
                                 page_size=4) == "pallas_gpu"
-    with attention.gpu_interpret():
-        got = engine.generate(gpu, PROMPTS[:2], **kw)
+    got = sampler.generate(gpu, PROMPTS[:2], **kw)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.mask, want.mask)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
@@ -259,7 +272,7 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernels, ch
 
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-    from ba_jax import build, sampler
+    from ba_jax import build, sampling
     from test_train import debug_config
 
     # heads of 128 (as every Qwen's), the TPU paged-attention kernel's tile
@@ -267,11 +280,11 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernels, ch
                           "model.head_dim": 128})
     mesh = build.make_mesh(cfg)
     graphdef, params = build.init_policy(cfg, mesh)
-    copy = engine.decode_copy(params, mesh, jnp.bfloat16)
+    copy = call.decode_copy(params, mesh, jnp.bfloat16)
     P, G, R, Tp = 4, 4, 8, 16
-    cs = engine.call_shape(P, Tp, G, R, num_devices=8, prefill_chunk=chunk)
-    run = engine.engine_fn(graphdef, cs, sampler.SamplingConfig(), mesh)
-    lay = engine.row_layout(P, G, 8)
+    cs = shapes.call_shape(P, Tp, G, R, num_devices=8, prefill_chunk=chunk)
+    run = loop.engine_fn(graphdef, cs, sampling.SamplingConfig(), mesh)
+    lay = shapes.row_layout(P, G, 8)
     prompts = np.ones((len(lay.prompt_index), Tp), np.int32)
     rows = np.zeros(len(lay.row_prompt), np.int32)
     patch = (mock.patch.object(cudnn_fa, "check_cudnn_version", return_value=90800)

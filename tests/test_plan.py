@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from ba_jax import build, plan as plan_lib, run_config
+from ba_jax.engine import paging
 from ba_jax.models import qwen
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +111,7 @@ def test_per_device_optimizer_bytes_match_the_trainer_state():
 
 
 def test_kv_cache_bytes_equal_the_engines_pool():
-    """The engine's page pool per device (`qwen.PagePool`, [K, L * pages, page_size, H] in the
+    """The engine's page pool per device (`paging.PagePool`, [K, L * pages, page_size, H] in the
     compute dtype, prompts' pages included): by default every slot's largest run (a copy of
     its prompt's partial last page, then its decoded tokens) plus one prompt's pages per
     slot (at most the device's prompts); slots and pages per call are split over the row
@@ -123,7 +124,7 @@ def test_kv_cache_bytes_equal_the_engines_pool():
     mc = run_config.model_config(cfg)
 
     def want(pages):
-        pool = jax.eval_shape(lambda: qwen.PagePool.zeros(mc, pages, 4, jnp.bfloat16))
+        pool = jax.eval_shape(lambda: paging.PagePool.zeros(mc, pages, 4, jnp.bfloat16))
         return sum(x.size * 2 for x in jax.tree.leaves(pool))
 
     p = plan_lib.plan(cfg, 1)
@@ -133,25 +134,6 @@ def test_kv_cache_bytes_equal_the_engines_pool():
     assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(3 + 16)
     cfg.rollout.kv_pages = 160  # 20 per device
     assert plan_lib.plan(cfg, 8)["bytes"]["kv_cache"] == want(20)
-
-
-def test_kv_cache_bytes_equal_the_sampler_cache():
-    """The static sampler's decode cache ([P*G rows, R slots]) and the prompts' shared cache
-    ([P rows, prompt bucket]), in the compute dtype, as `sampler.rollout_arrays` makes them."""
-    cfg = _config("default", "debug")
-    cfg.rollout.engine = "static"
-    cfg.model.dtype = "bfloat16"
-    cfg.data.max_prompt_tokens = 40  # bucket 64
-    p = plan_lib.plan(cfg, 1)
-    mc = run_config.model_config(cfg)
-    P, G, R = cfg.rollout.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.max_new_tokens
-    caches = jax.eval_shape(lambda: (qwen.init_cache(mc, P * G, R, jnp.bfloat16),
-                                     qwen.init_cache(mc, P, 64, jnp.bfloat16)))
-    assert p["bytes"]["kv_cache"] == sum(x.size * 2 for x in jax.tree.leaves(caches))
-    cfg.mesh.data = 4  # 16 rows and 4 prompts over 4 data shards
-    assert plan_lib.plan(cfg, 4)["bytes"]["kv_cache"] * 4 == p["bytes"]["kv_cache"]
-    cfg.mesh.data, cfg.rollout.sample_shards = 2, 2  # two calls of 2 prompts, over 2 devices
-    assert plan_lib.plan(cfg, 2)["bytes"]["kv_cache"] * 4 == p["bytes"]["kv_cache"]
 
 
 def test_activation_estimate_terms():

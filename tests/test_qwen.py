@@ -12,8 +12,15 @@ import torch
 from flax import nnx
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from ba_jax.models import qwen
+import os
+import sys
+
+from ba_jax.engine import paging
+from ba_jax.models import attention, layers, qwen
 from ba_jax.models.convert_hf import hf_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import static_sampler  # noqa: E402  (the dense-cache decode mode lives with its sampler)
 
 TINY = qwen.ModelConfig("qwen3", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4,
@@ -79,7 +86,8 @@ def test_padded_rows_get_their_unpadded_logits(model):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cached_decoding_equals_full_forward(model, dtype):
     """Prefill of P prompts, then G rows per prompt decoding one token at a time against the
-    shared prompt cache and their own slots, equals the full forward of [prompt | tokens]."""
+    shared prompt cache and their own slots (the static sampler's cache mode, through the
+    model's one forward path), equals the full forward of [prompt | tokens]."""
     P, G, Tp, new, S = 2, 2, 5, 4, 6
     m = model if dtype == jnp.float32 else qwen.Qwen(TINY, rngs=nnx.Rngs(0), dtype=dtype)
     prompt_PT = np.asarray(_tokens((P, Tp), seed=3))
@@ -91,12 +99,20 @@ def test_cached_decoding_equals_full_forward(model, dtype):
     full_mask_BT = np.concatenate([np.repeat(pmask_PT, G, 0), np.ones((B, new), np.int32)], 1)
     ref_BTV = np.asarray(_fwd(m, jnp.asarray(full_BT), None, jnp.asarray(full_mask_BT)))
     pos_PT = np.maximum(np.cumsum(pmask_PT, axis=1) - 1, 0)
-    logits_PTV, prompt_cache = jax.jit(lambda m, t, p, a: m(t, p, a, return_kv=True))(
+    logits_PTV, kv = jax.jit(lambda m, t, p, a: (lambda x, kv: (m.logits(x), kv))(
+        *m.forward(t, p, m.full(a, keep_kv=True))))(
         m, jnp.asarray(prompt_PT), jnp.asarray(pos_PT), jnp.asarray(pmask_PT))
+    prompt_cache = static_sampler.KVCache(*kv)
     assert prompt_cache.k_LBSKH.shape == (2, P, Tp, 2, 16)
     assert prompt_cache.k_LBSKH.dtype == dtype
-    step = jax.jit(lambda m, *a: m.decode_step(*a[:-2], prefix=a[-2:]))
-    cache = qwen.init_cache(TINY, B, S, dtype)
+
+    @jax.jit
+    def step(m, tok_B, pos_B, cache, filled_BS, prompt_cache, pmask_PT):
+        mode = static_sampler.DenseDecode(cache, filled_BS, prompt_cache, pmask_PT.astype(bool))
+        x_B1D, (k_LBKH, v_LBKH) = m.forward(tok_B[:, None], pos_B[:, None], mode)
+        return m.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
+
+    cache = static_sampler.init_cache(TINY, B, S, dtype)
     len_B = np.repeat(pmask_PT.sum(1), G)
     out = []
     for t in range(new):
@@ -116,19 +132,35 @@ def test_cached_decoding_equals_full_forward(model, dtype):
 
 def test_chunked_paged_prefill_and_paged_decode_equal_full_forward(model):
     """Two prompts of 11 and 6 tokens prefilled 4 tokens at a time into pages of 3 slots
-    (`prefill_chunk_paged`: each chunk over the pages its earlier chunks wrote), then two
-    tokens decoded per row over those pages (`decode_step_paged`, the gather path: it writes
-    every layer's keys after its layer scan) equal one full forward: the logits of every
-    position and the keys/values in the pages."""
+    (`paging.PagedChunk`: each chunk over the pages its earlier chunks wrote), then two
+    tokens decoded per row over those pages (`paging.PagedDecode`, the gather path: it writes
+    every layer's keys after its layer scan), all through the model's one forward path,
+    equal one full forward: the logits of every position and the keys/values in the pages."""
     n_B, C, ps, new = np.array([11, 6]), 4, 3, 2
     B, T = 2, 11 + new
     tok_BT = np.asarray(_tokens((B, T), seed=5))
-    ref_BTV, ref_kv = jax.jit(lambda m, t: m(t, return_kv=True))(model, jnp.asarray(tok_BT))
-    ref_BTV = np.asarray(ref_BTV)
+    ones_BT = jnp.ones((B, T), bool)
+    ref_x, (ref_k, ref_v) = jax.jit(lambda m, t: m.forward(t, qwen.default_positions(ones_BT),
+                                                           m.full(ones_BT, keep_kv=True)))(
+        model, jnp.asarray(tok_BT))
+    ref_BTV = np.asarray(jax.jit(lambda m, x: m.logits(x))(model, ref_x))
     NP = 16
     table_BQ = np.array([[3, 0, 7, 12, 5], [9, 1, 14, 2, 16]])  # 16 = NP: no page
-    pool = qwen.PagePool.zeros(TINY, NP, ps, jnp.float32)
-    chunk = jax.jit(lambda m, *a: m.prefill_chunk_paged(*a))
+    pool = paging.PagePool.zeros(TINY, NP, ps, jnp.float32)
+
+    @jax.jit
+    def chunk(m, tok_BC, valid_BC, pool, table_BQ, start_B):
+        mode = paging.chunk_cache(pool, table_BQ, start_B, valid_BC, num_layers=L)
+        return m.forward(tok_BC, start_B[:, None] + jnp.arange(tok_BC.shape[1]), mode)
+
+    @jax.jit
+    def step(m, tok_B, pos_B, pool, table_BX, lengths_B, page_B, offset_B):
+        mode = paging.decode_cache(pool, table_BX, lengths_B, page_B, offset_B, config=m.config,
+                                   dtype=m.dtype)
+        x_B1D, pool = m.forward(tok_B[:, None], pos_B[:, None], mode)
+        return m.logits(x_B1D)[:, 0], pool
+
+    L = TINY.num_layers
     for start in range(0, 11, C):
         valid_BC = start + np.arange(C)[None] < n_B[:, None]
         x_BCD, pool = chunk(model, jnp.asarray(tok_BT[:, start:start + C]), jnp.asarray(valid_BC),
@@ -137,7 +169,6 @@ def test_chunked_paged_prefill_and_paged_decode_equal_full_forward(model):
         for b in range(B):
             k = int(valid_BC[b].sum())
             np.testing.assert_allclose(got_BCV[b, :k], ref_BTV[b, start:start + k], atol=1e-5)
-    step = jax.jit(lambda m, *a: m.decode_step_paged(*a))
     for t in range(new):
         pos_B = n_B + t  # row 1 continues its 6-token prompt with tokens 6, 7 of its row
         logits_BV, pool = step(model, jnp.asarray(tok_BT[np.arange(B), pos_B]),
@@ -147,11 +178,10 @@ def test_chunked_paged_prefill_and_paged_decode_equal_full_forward(model):
                                jnp.asarray(pos_B % ps))
         np.testing.assert_allclose(np.asarray(logits_BV), ref_BTV[np.arange(B), pos_B],
                                    atol=1e-5)
-    L = TINY.num_layers
     for b in range(B):
         for j in range(n_B[b] + new):
             p, o = table_BQ[b, j // ps], j % ps
-            for side, ref in ((pool.k, ref_kv.k_LBSKH), (pool.v, ref_kv.v_LBSKH)):
+            for side, ref in ((pool.k, ref_k), (pool.v, ref_v)):
                 got_LKH = np.asarray(side)[:, np.arange(L) * NP + p, o].swapaxes(0, 1)
                 np.testing.assert_allclose(got_LKH, np.asarray(ref)[:, b, j], atol=1e-5)
 
@@ -162,11 +192,16 @@ def _unrolled_logits(m: qwen.Qwen, tokens_BT):
     B, T = tokens_BT.shape
     graphdef, state = nnx.split(m.layers)
     pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-    sin, cos = qwen._rope_tables(pos_BT, m.config.head_dim, m.config.rope_theta)
+    rope_BTH = layers.rope_tables(pos_BT, m.config.head_dim, m.config.rope_theta)
     x = m._embed(tokens_BT)
+    valid_BT = jnp.ones((B, T), bool)
+
+    def attend(q, k, v):
+        return attention.attention(q, k, v, valid_BT, impl="xla"), None
+
     for i in range(m.config.num_layers):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-        x, _ = layer(x, sin, cos, jnp.ones((B, T), bool), "xla")
+        x, _ = layer(x, rope_BTH, attend)
     return m.logits(x)
 
 
@@ -205,11 +240,11 @@ def test_mm_custom_backward_matches_autodiff(x_shape, w_shape, w_axes, dtype):
     n = len(w_axes)
     ref = lambda x, w: jnp.tensordot(x, w, (list(range(x.ndim - n, x.ndim)), list(w_axes)))
     x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
-    y = jax.jit(qwen._mm, static_argnums=2)(x, w, w_axes)
+    y = jax.jit(layers.mm, static_argnums=2)(x, w, w_axes)
     assert y.dtype == jnp.float32
     g = jax.random.normal(kg, y.shape).astype(dtype).astype(jnp.float32)
     np.testing.assert_allclose(y, ref(x32, w32), rtol=1e-5, atol=1e-5)
-    got = jax.jit(lambda x, w, g: jax.vjp(lambda x, w: qwen._mm(x, w, w_axes), x, w)[1](g))(
+    got = jax.jit(lambda x, w, g: jax.vjp(lambda x, w: layers.mm(x, w, w_axes), x, w)[1](g))(
         x, w, g)
     want = jax.vjp(ref, x32, w32)[1](g)
     # bf16: dx is rounded to bf16; dw leaves the float32 accumulator unrounded
@@ -250,7 +285,7 @@ def test_bad_runtime_options_are_named():
 def test_mlp_gradients_match_plain_formula(dtype):
     """Each MLP kernel's gradient (through `_mm`'s own backward) against silu(x Wg) * (x Wu) Wd
     written out, in float32."""
-    mlp = qwen.MLP(TINY, rngs=nnx.Rngs(3), dtype=dtype, param_dtype=jnp.float32)
+    mlp = layers.MLP(TINY.hidden_size, TINY.intermediate_size, rngs=nnx.Rngs(3), dtype=dtype, param_dtype=jnp.float32)
     x = jnp.asarray(np.random.RandomState(4).randn(2, 300, TINY.hidden_size), jnp.float32)
     dy = jnp.asarray(np.random.RandomState(5).randn(2, 300, TINY.hidden_size), jnp.float32)
 

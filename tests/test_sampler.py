@@ -11,10 +11,19 @@ import torch
 from flax import nnx
 from scipy import stats
 
-from ba_jax import engine, grpo, sampler
+import os
+import sys
+
+from ba_jax import grpo, rollout, sampler, sampling
+from ba_jax.engine import loop as engine_loop
 from ba_jax.models import convert_hf, qwen
 from ba_jax.sharding import make_mesh
 from helpers_hf import make_tiny_hf
+
+# the static sampler is the engine's benchmark baseline (benchmarks/static_sampler.py): its
+# correctness is what makes the benchmark's ratios mean something
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import static_sampler  # noqa: E402
 
 PROMPTS = [[5, 17, 3], [9, 4, 22, 61, 7, 80, 12, 33, 41], list(range(30, 50))]  # buckets 16, 32
 
@@ -61,7 +70,8 @@ def _hf_greedy(path: str, prompts, max_new_tokens: int, eos: int, pad: int) -> n
 
 
 # `generate` runs the rollout engine; `generate_static` the static batch (its baseline)
-GENERATORS = pytest.mark.parametrize("generate", [sampler.generate, sampler.generate_static],
+GENERATORS = pytest.mark.parametrize("generate", [sampler.generate,
+                                                 static_sampler.generate_static],
                                      ids=["engine", "static"])
 
 
@@ -145,9 +155,9 @@ def test_sampling_distribution(V, temperature, top_k, top_p):
     logits_V = (rng.normal(size=V) * (1.0 if V < 10 else 2.0)).astype(np.float32)
     q = _expected(logits_V, temperature, top_k, top_p)
     n = 60_000
-    cfg = sampler.SamplingConfig(temperature, top_k, top_p)
+    cfg = sampling.SamplingConfig(temperature, top_k, top_p)
     logits_BV = jnp.broadcast_to(jnp.asarray(logits_V), (n, V))
-    tok, logp, slogp = jax.jit(sampler.sample_logits, static_argnums=2)(
+    tok, logp, slogp = jax.jit(sampling.sample_logits, static_argnums=2)(
         logits_BV, jax.random.key(11), cfg)
     tok = np.asarray(tok)
     counts = np.bincount(tok, minlength=V)
@@ -171,17 +181,17 @@ def test_sampling_distribution(V, temperature, top_k, top_p):
 
 def test_greedy_takes_first_maximum():
     logits_BV = jnp.array([[0.0, 3.0, 3.0, 1.0], [2.0, -1.0, 0.5, 2.0]])
-    tok, logp, slogp = jax.jit(sampler.sample_logits, static_argnums=2)(
-        logits_BV, jax.random.key(0), sampler.SamplingConfig(0.0))
+    tok, logp, slogp = jax.jit(sampling.sample_logits, static_argnums=2)(
+        logits_BV, jax.random.key(0), sampling.SamplingConfig(0.0))
     np.testing.assert_array_equal(tok, [1, 0])
     np.testing.assert_allclose(logp, jax.nn.log_softmax(logits_BV)[jnp.arange(2), tok], atol=1e-6)
     assert not np.asarray(slogp).any()
 
 
 def test_prompt_buckets():
-    assert [sampler.prompt_bucket(n) for n in (1, 16, 17, 100, 512, 513, 1500)] == [
+    assert [rollout.prompt_bucket(n) for n in (1, 16, 17, 100, 512, 513, 1500)] == [
         16, 16, 32, 128, 512, 1024, 1536]
-    toks, mask = sampler.left_pad([[7, 8], [9]], 4, 0)
+    toks, mask = rollout.left_pad([[7, 8], [9]], 4, 0)
     np.testing.assert_array_equal(toks, [[0, 0, 7, 8], [0, 0, 0, 9]])
     np.testing.assert_array_equal(mask, [[0, 0, 1, 1], [0, 0, 0, 1]])
 
@@ -204,20 +214,25 @@ class Bigram(nnx.Module):
             use_o_bias=False, use_qk_norm=False)
         self.dtype = jnp.float32
 
-    def __call__(self, tokens_BT, positions_BT=None, attn_mask_BT=None, *, logits_slice=None,
-                 return_kv=False):
-        CALLS.append(("forward", tokens_BT.shape))
-        logits_BTV = self.table[...][tokens_BT]
-        if logits_slice is not None:
-            logits_BTV = logits_BTV[:, logits_slice]
-        cache = qwen.init_cache(self.config, *tokens_BT.shape)
-        return (logits_BTV, cache) if return_kv else logits_BTV
+    def full(self, valid_BT, *, keep_kv=False):
+        return qwen.FullAttention(valid_BT.astype(bool), "xla", keep_kv)
 
-    def decode_step(self, tokens_B, positions_B, cache, valid_BS, prefix=None):
-        CALLS.append(("decode", tokens_B.shape, cache.k_LBSKH.shape[1],
-                      None if prefix is None else prefix[0].k_LBSKH.shape[1]))
-        new_LBKH = jnp.zeros(cache.k_LBSKH.shape[:2] + cache.k_LBSKH.shape[3:])
-        return self.table[...][tokens_B], new_LBKH, new_LBKH
+    def forward(self, tokens_BT, positions_BT, cache):
+        """The model's one forward path with a one-layer attention whose output is unused:
+        the cache mode sees zero queries/keys of its shapes; the "hidden states" are the
+        next-token logits (`logits` is the identity)."""
+        CALLS.append((type(cache).__name__, tokens_BT.shape,
+                      *(c.k_LBSKH.shape[1] for c in (getattr(cache, "cache", None),
+                                                      getattr(cache, "prompt", None)) if c)))
+        B, T = tokens_BT.shape
+        z = jnp.zeros((B, T, 1, 2))
+        xs_l = jax.tree.map(lambda a: a[0], cache.layer_xs(1))
+        _, state, ys = cache.attend(z, z, z, xs_l, cache.init())
+        return self.table[...][tokens_BT], cache.finish(state, jax.tree.map(lambda a: a[None],
+                                                                             ys))
+
+    def logits(self, x_BTV):
+        return x_BTV
 
 
 def _chain_model(V: int = 10) -> Bigram:
@@ -229,10 +244,11 @@ def _chain_model(V: int = 10) -> Bigram:
     return Bigram(table)
 
 
-def test_eos_stops_row_and_masks_after_it():
+@GENERATORS
+def test_eos_stops_row_and_masks_after_it(generate):
     model = _chain_model()
-    ro = sampler.generate_static(model, [[1], [0, 5], [8]], num_samples=1, max_new_tokens=6,
-                          key=jax.random.key(0), temperature=0.0, eos_ids=[4, 7], pad_id=0)
+    ro = generate(model, [[1], [0, 5], [8]], num_samples=1, max_new_tokens=6,
+                  key=jax.random.key(0), temperature=0.0, eos_ids=[4, 7], pad_id=0)
     np.testing.assert_array_equal(ro.tokens, [[2, 3, 4, 0, 0, 0], [6, 7, 0, 0, 0, 0],
                                               [9, 8, 9, 8, 9, 8]])
     np.testing.assert_array_equal(ro.mask, [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1] * 6])
@@ -247,19 +263,20 @@ def test_group_shares_one_prefill():
     model = _chain_model()
     CALLS.clear()
     P, G = 3, 4
-    ro = sampler.generate_static(model, [[1], [5, 6], [8, 9, 8]], num_samples=G, max_new_tokens=5,
-                          key=jax.random.key(1), temperature=1.0, eos_ids=[4], pad_id=0)
+    ro = static_sampler.generate_static(model, [[1], [5, 6], [8, 9, 8]], num_samples=G,
+                                        max_new_tokens=5, key=jax.random.key(1),
+                                        temperature=1.0, eos_ids=[4], pad_id=0)
     assert ro.tokens.shape == (P * G, 5)
     # one prefill, of the P prompts only (bucket 16); every decode step runs the P*G rows
     # against their own slots and a prefix cache of P rows (never repeated G times)
-    assert [c for c in CALLS if c[0] == "forward"] == [("forward", (P, 16))], CALLS
-    decodes = [c for c in CALLS if c[0] == "decode"]
-    assert decodes and all(c == ("decode", (P * G,), P * G, P) for c in decodes), CALLS
+    assert [c for c in CALLS if c[0] == "FullAttention"] == [("FullAttention", (P, 16))], CALLS
+    decodes = [c for c in CALLS if c[0] == "DenseDecode"]
+    assert decodes and all(c == ("DenseDecode", (P * G, 1), P * G, P) for c in decodes), CALLS
 
 
 @pytest.mark.parametrize("generate,counts", [
-    (sampler.generate, engine.TRACE_COUNTS),
-    (sampler.generate_static, sampler.TRACE_COUNTS)], ids=["engine", "static"])
+    (sampler.generate, engine_loop.TRACE_COUNTS),
+    (static_sampler.generate_static, static_sampler.TRACE_COUNTS)], ids=["engine", "static"])
 def test_same_key_same_output_and_no_retrace(tiny3, generate, counts):
     _, model = tiny3
     kw = SAMPLE_KW
@@ -282,7 +299,7 @@ def test_sharded_rows_equal_unsharded(tiny3):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded = convert_hf.load_hf(path, dtype=jnp.float32, mesh=mesh)
     kw = dict(key=jax.random.key(2), eos_ids=[2], **GREEDY_KW)  # 12 rows over data x fsdp = 4
-    want = sampler.generate_static(model, PROMPTS, **kw)
-    got = sampler.generate_static(sharded, PROMPTS, mesh=mesh, **kw)
+    want = static_sampler.generate_static(model, PROMPTS, **kw)
+    got = static_sampler.generate_static(sharded, PROMPTS, mesh=mesh, **kw)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ba_jax import sharding
-from ba_jax.models import qwen
+from ba_jax.models import layers, qwen
 
 TINY = qwen.ModelConfig("qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
@@ -50,7 +50,7 @@ def test_every_kernel_pins_its_table_axes():
     model = nnx.eval_shape(lambda: qwen.Qwen(TINY, rngs=nnx.Rngs(0)))
     seen = 0
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, qwen.Linear):
+        if isinstance(node, layers.Linear):
             dotted = ".".join(map(str, path)) + ".kernel"
             want = sharding.logical_axes(dotted)
             assert node.axes == (want[1:] if dotted.startswith("layers.") else want), dotted

@@ -225,7 +225,7 @@ def _train_step(cfg, num_devices):
     graphdef, params = build.init_policy(cfg, mesh)
     tx, _ = build.make_optimizer(cfg)
     state = train.init_state(params, tx, mesh)
-    step = train.make_train_step(cfg, graphdef, tx, state, mesh,
+    step = train.make_train_step(build.loss_settings(cfg), graphdef, tx, state, mesh,
                                  num_groups=cfg.rollout.prompts_per_step)
     return state, step, mesh
 

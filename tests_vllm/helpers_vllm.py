@@ -30,3 +30,18 @@ def tiny_model(arch: str, tmp_path_factory, seed: int = 1):
                             tie=arch == "qwen3", seed=seed, **VLLM_TINY, **extra)
         _MODELS[arch, seed] = path, convert_hf.load_hf(path, dtype=jnp.float32)
     return _MODELS[arch, seed]
+
+
+def generate_kw(eng, prompts, *, num_samples, max_new_tokens, key, eos_ids, temperature=1.0,
+                top_k=0, top_p=1.0, pad_id=None, ignore_eos=False):
+    """`VllmEngine.generate` (the `rollout.RolloutEngine` call) with `sampler.generate`'s
+    keyword arguments, so each test compares the two engines on the same settings."""
+    import numpy as np
+
+    from ba_jax.rollout import SamplingSettings
+
+    budget = (int(max_new_tokens) if np.ndim(max_new_tokens) == 0
+              else tuple(int(b) for b in np.asarray(max_new_tokens).reshape(-1)))
+    sampling = SamplingSettings(int(num_samples), budget, tuple(eos_ids), temperature, top_k,
+                                top_p, pad_id)
+    return eng.generate(prompts, sampling, key, ignore_eos=ignore_eos)

@@ -17,6 +17,7 @@ import pytest
 
 from ba_jax.models.qwen import ModelConfig
 from ba_jax.vllm_rollout import REPO_ROOT, VllmEngine, VllmEngineError
+from helpers_vllm import generate_kw
 
 # A tiny config vLLM-CPU can run (head_dim 32); no weights are needed to start an engine.
 CONFIG = ModelConfig("qwen3", 128, 64, 96, 2, 2, 1, 32, 5000.0, 1e-5, 256, True,
@@ -113,7 +114,7 @@ def test_close_is_idempotent_and_final():
     pid = eng.pid
     assert _alive(pid) and eng.startup_s > 0 and eng.vllm_version == "0.32.0"
     with pytest.raises(VllmEngineError, match="sync_weights first"):
-        eng.generate([[1, 2]], num_samples=1, max_new_tokens=2, key=0, eos_ids=[2])
+        generate_kw(eng, [[1, 2]], num_samples=1, max_new_tokens=2, key=0, eos_ids=[2])
     eng.close()
     eng.close()
     assert _wait_gone([pid]) == []

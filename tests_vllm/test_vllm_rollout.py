@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from ba_jax import engine, grpo, sampler
+from ba_jax import grpo, sampler
 from ba_jax.models import convert_hf
 from ba_jax.sharding import make_mesh
 from ba_jax.vllm_rollout import VllmEngine, hf_weights, weight_layout
-from helpers_vllm import MAX_MODEL_LEN, PROMPTS, tiny_model
+from helpers_vllm import MAX_MODEL_LEN, PROMPTS, generate_kw, tiny_model
 from test_sampler import _hf_greedy
 
 # f32 agreement of vLLM's log-probs with the trainer's: both are float32 computations of the
@@ -79,7 +79,7 @@ def test_greedy_equals_the_sampler_and_transformers(arch, engines, tmp_path_fact
     eos = int(free[1, 4])  # an EOS the model emits: rows stop at different steps
     want = _hf_greedy(path, PROMPTS, M, eos=eos, pad=0)
     kw = dict(num_samples=2, temperature=0.0, eos_ids=[eos], pad_id=0)
-    ro = eng.generate(PROMPTS, max_new_tokens=M, key=0, **kw)
+    ro = generate_kw(eng, PROMPTS, max_new_tokens=M, key=0, **kw)
     np.testing.assert_array_equal(ro.tokens, np.repeat(want, 2, axis=0))
     ref = sampler.generate(model, PROMPTS, max_new_tokens=M, key=jax.random.key(0), **kw)
     assert set(ro.finish_reason) == {"eos", "length"}
@@ -90,13 +90,13 @@ def test_greedy_equals_the_sampler_and_transformers(arch, engines, tmp_path_fact
     assert not ro.sampling_logprobs.any()  # greedy, as the sampler reports it
     # per-prompt budgets, against the in-house engine (the sampler takes one budget)
     budgets = [M, 3, 7, M]
-    ro = eng.generate(PROMPTS, max_new_tokens=budgets, key=0, **kw)
-    ref = engine.generate(model, PROMPTS, max_new_tokens=budgets, key=jax.random.key(0), **kw)
+    ro = generate_kw(eng, PROMPTS, max_new_tokens=budgets, key=0, **kw)
+    ref = sampler.generate(model, PROMPTS, max_new_tokens=budgets, key=jax.random.key(0), **kw)
     for name in fields:
         np.testing.assert_array_equal(getattr(ro, name), getattr(ref, name), err_msg=name)
     # ignore_eos (the benchmark's forced lengths): every row runs to its budget, through the
     # EOS the rows above stopped at, and the tokens are the EOS-free greedy ones
-    ro = eng.generate(PROMPTS, max_new_tokens=budgets, key=0, ignore_eos=True, **kw)
+    ro = generate_kw(eng, PROMPTS, max_new_tokens=budgets, key=0, ignore_eos=True, **kw)
     assert (ro.lengths == np.repeat(budgets, 2)).all() and set(ro.finish_reason) == {"length"}
     for b, n in enumerate(ro.lengths):
         np.testing.assert_array_equal(ro.tokens[b, :n], free[b // 2, :n])
@@ -106,7 +106,7 @@ def test_logprobs_equal_the_trainers_in_float32(engines, tmp_path_factory):
     _, model = tiny_model("qwen3", tmp_path_factory)
     eng = engines("qwen3", model)
     eng.sync_weights(_params(model))
-    ro = eng.generate(PROMPTS, num_samples=3, max_new_tokens=16, key=jax.random.key(5),
+    ro = generate_kw(eng, PROMPTS, num_samples=3, max_new_tokens=16, key=jax.random.key(5),
                       temperature=1.0, eos_ids=[2])
     m = ro.mask.astype(bool)
     assert m.sum() > 100
@@ -130,7 +130,7 @@ def test_bf16_engine_logprob_mismatch_is_small(tmp_path_factory):
         n = sum(a.size for a in jax.tree.leaves(_params(model)))
         tensors = len(weight_layout(_params(model), model.config.num_layers))
         assert 2 * n <= eng.last_sync["bytes"] < 2 * n + 64 * tensors  # 2 bytes a weight
-        ro = eng.generate(PROMPTS, num_samples=3, max_new_tokens=16, key=jax.random.key(5),
+        ro = generate_kw(eng, PROMPTS, num_samples=3, max_new_tokens=16, key=jax.random.key(5),
                           temperature=1.0, eos_ids=[2])
     m = ro.mask.astype(bool)
     diff = np.abs(ro.logprobs - _old_logp(model, ro))[m]
@@ -147,7 +147,7 @@ def _sync_a_b_a(eng, a, b) -> None:
     runs = []
     for model in (a, b, a):
         eng.sync_weights(_params(model))
-        ro = eng.generate(PROMPTS, key=0, **kw)
+        ro = generate_kw(eng, PROMPTS, key=0, **kw)
         ref = sampler.generate(model, PROMPTS, key=jax.random.key(0), **kw)
         np.testing.assert_array_equal(ro.tokens, ref.tokens)
         np.testing.assert_allclose(ro.logprobs, ref.logprobs, atol=F32_ATOL, rtol=0)
@@ -178,9 +178,9 @@ def test_sampling_is_seeded_per_row_and_keeps_budgets(engines, tmp_path_factory)
     eng.sync_weights(_params(model))
     budgets = np.array([16, 4, 9, 1, 12, 16, 7, 3])  # one per row: 4 prompts x 2 samples
     kw = dict(num_samples=2, max_new_tokens=budgets, temperature=1.0, eos_ids=[2, 7])
-    r1 = eng.generate(PROMPTS, key=jax.random.key(3), **kw)
-    r2 = eng.generate(PROMPTS, key=3, **kw)  # an int n is jax.random.key(n)
-    r3 = eng.generate(PROMPTS, key=jax.random.key(4), **kw)
+    r1 = generate_kw(eng, PROMPTS, key=jax.random.key(3), **kw)
+    r2 = generate_kw(eng, PROMPTS, key=3, **kw)  # an int n is jax.random.key(n)
+    r3 = generate_kw(eng, PROMPTS, key=jax.random.key(4), **kw)
     np.testing.assert_array_equal(r1.tokens, r2.tokens)
     np.testing.assert_array_equal(r1.logprobs, r2.logprobs)
     assert (r1.tokens != r3.tokens).any()
@@ -195,7 +195,7 @@ def test_sampling_is_seeded_per_row_and_keeps_budgets(engines, tmp_path_factory)
         assert (r1.tokens[i, n:] == 2).all()  # pad_id defaults to the first EOS id
     # temperature and top-k: vLLM returns temperature-1 log-probs only, so the sampling
     # log-probs are NaN on response tokens (and the trainer's old_logp still matches)
-    r4 = eng.generate(PROMPTS, key=0, **dict(kw, temperature=0.7), top_k=20)
+    r4 = generate_kw(eng, PROMPTS, key=0, **dict(kw, temperature=0.7), top_k=20)
     m = r4.mask.astype(bool)
     assert np.isnan(r4.sampling_logprobs[m]).all() and not r4.sampling_logprobs[~m].any()
     assert np.abs(r4.logprobs - _old_logp(model, r4))[m].max() < F32_ATOL
@@ -211,8 +211,8 @@ def test_bad_requests_are_errors(engines, tmp_path_factory):
     eng.sync_weights(_params(model))
     kw = dict(num_samples=2, key=0, eos_ids=[2])
     with pytest.raises(ValueError, match="max_model_len"):
-        eng.generate(PROMPTS, max_new_tokens=MAX_MODEL_LEN, **kw)
+        generate_kw(eng, PROMPTS, max_new_tokens=MAX_MODEL_LEN, **kw)
     with pytest.raises(ValueError, match="one per prompt"):
-        eng.generate(PROMPTS, max_new_tokens=[4, 4, 4], **kw)
+        generate_kw(eng, PROMPTS, max_new_tokens=[4, 4, 4], **kw)
     with pytest.raises(ValueError, match="at least one token"):
-        eng.generate([[]], max_new_tokens=4, **kw)
+        generate_kw(eng, [[]], max_new_tokens=4, **kw)

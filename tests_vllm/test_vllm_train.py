@@ -59,7 +59,7 @@ def test_engine_logprobs_option_skips_the_recomputation(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ({"rollout.vllm_python": os.path.join("no", "such", "python")}, "run `make vllm`"),
     ({"rollout.vllm_logprobs": "both"}, "vllm_logprobs='both'; valid: recompute, engine"),
-    ({"rollout.engine": "sglang"}, "config.rollout.engine='sglang'; valid: ba_jax, static, vllm"),
+    ({"rollout.engine": "sglang"}, "config.rollout.engine='sglang'; valid: paged, vllm"),
 ])
 def test_bad_engine_settings_stop_the_run_at_start_up(tmp_path, override, message):
     cfg = debug_config(**{**VLLM_DEBUG, **override})

@@ -1,10 +1,11 @@
-"""Dense Qwen2/2.5 and Qwen3 decoders in flax.nnx, their published configs, and the KV cache.
+"""Dense Qwen2/2.5 and Qwen3 decoders in flax.nnx: their configs and the one forward path.
 
-Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), the `Qwen` module (full
-forward, prefill and one-token cached decode), `KVCache` and `init_cache`. Not here: the
-attention kernels (`attention.py`, the one seam that knows which kernel runs), the Hugging Face
-key table and file IO (`convert_hf.py`), parameter shardings (`sharding.py`), sampling loops
-(`sampler.py`).
+Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), `Attention`,
+`DecoderLayer`, the `Qwen` module, and `FullAttention`, the cache mode of a full causal
+forward. Not here: the blocks (`layers.py`: projections, norms, RoPE, MLP), the attention
+kernels (`attention/`, the one seam that knows which kernel runs), the paged cache and its
+modes (the rollout engine's `engine/paging.py`), the Hugging Face key table (`hf_keys.py` /
+`convert_hf.py`), parameter shardings (`sharding.py`).
 
 Call interface:
 
@@ -17,41 +18,52 @@ tokens at or before it, and a padding token's attention output is 0. `positions_
 same thing for unpadded or right-padded rows, the right thing for left-padded ones).
 `model(tokens_BT)` is the Hugging Face call.
 
+One forward path: `Qwen.forward(tokens_BT, positions_BT, cache)` runs the embedding and the
+layer scan; every decoder layer has one `__call__(x, rope, attend)` whose attention is
+supplied by the cache mode in use. A cache mode is any object with
+
+    remat: bool                               # the backward may run through it (remat applies)
+    layer_xs(num_layers) -> xs                # per-layer inputs (leading L axis), or None
+    init() -> state                           # carried through the layer scan, or None
+    attend(q_BTNH, k_BTKH, v_BTKH, xs_l, state) -> (o_BTNH, state, ys_l)
+    finish(state, ys) -> result               # after the scan (ys stacked over layers)
+
+`FullAttention` (here) is the full causal forward (optionally keeping every layer's keys);
+the rollout engine's paged decode and chunked prefill are modes of its own; a packed
+(segment-id) forward would be one more. The residual block, the activation sharding
+constraints and the remat policy are written once, for every mode.
+
 Layers: the decoder layers are ONE `DecoderLayer` whose parameters carry a leading `layers`
 axis (L), run by `lax.scan` with the remat policy of `config.remat` inside the scanned body, so
 a compiled program holds one layer, not L (parameter paths: `layers.self_attn.q_proj.kernel`
 of shape [L, D, N, H]).
-
-KV cache (for a sampler): `KVCache(k_LBSKH, v_LBSKH)`, keys after RoPE, in the compute dtype.
-`model(..., return_kv=True)` also returns the prompt's cache (prefill); `model.decode_step`
-runs one new token per row against the rows' own slots plus, optionally, a prefix cache of P
-prompts shared by the B // P contiguous rows of each (the prompt is encoded once per group) and
-returns the new token's keys/values, which the caller writes with `KVCache.write`: the cache is
-read-only inside the layer scan, and the one write per step is an in-place update of the
-loop-carried buffer.
-
-Numerics: parameters are stored in `param_dtype` and cast to `dtype` for compute; all matmuls
-accumulate in float32 (`preferred_element_type`), and norm statistics, RoPE angles and the
-softmax are float32. `_mm` carries a hand-written backward: plain autodiff of a bf16 x bf16 ->
-f32 product differentiates into f32 x bf16 products (upcast, at a fraction of the bf16 rate on
-an MXU / tensor core) and rounds the weight gradient to bf16; here the backward products take
-bf16 operands with float32 accumulation and the weight gradient stays float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
 from ba_jax import sharding
 from ba_jax.models import attention as attention_lib
+from ba_jax.models.layers import (
+    KV_AXES,
+    LOGITS_AXES,
+    MLP,
+    Q_AXES,
+    X_AXES,
+    Embed,
+    Linear,
+    RMSNorm,
+    mm,
+    rope,
+    rope_tables,
+)
 
 # config.remat -> the policy of `jax.checkpoint` around one scanned layer (None: no remat).
 # `full` keeps only each layer's input (the paper configs); `dots_with_no_batch_dims_saveable`
@@ -94,6 +106,10 @@ class ModelConfig:
     # the final norm, projection and log-softmax run chunk by chunk, so at most
     # [rows, logits_chunk, V] logits exist at once; 0: all positions in one piece.
     logits_chunk: int = 1024
+    # Run the Pallas kernels (splash, the GPU paged-attention kernel) in the Pallas
+    # interpreter: how they are checked without the hardware (part of the jit cache key,
+    # being in the model's static structure).
+    kernel_interpret: bool = False
     bos_token_id: int | None = None  # kept for export only
     eos_token_id: int | tuple[int, ...] | None = None  # kept for export only
 
@@ -185,135 +201,9 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def _mm(x: jax.Array, w: jax.Array, w_axes: tuple[int, ...], out_dtype=jnp.float32,
-        w_logical: tuple[str, ...] | None = None) -> jax.Array:
-    """Contracts x's trailing len(w_axes) dims with w's `w_axes` (increasing); the float32 sum,
-    rounded once to out_dtype. w (the parameter, in its own dtype) is cast to x's compute dtype
-    inside, so that its gradient leaves the float32 accumulator in the parameter's dtype.
-
-    `w_logical` (w's logical axes, as `sharding.PARAM_AXES` names them): on a mesh the cast
-    copy is pinned to w's own sharding, so the cast runs on each device's shard and the
-    layer gathers weights in the compute dtype (half the bytes of float32 in bf16), and the
-    weight gradient is pinned back to it (reduce-scattered, not all-reduced)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    spec = (None if w_logical is None or mesh.empty
-            else sharding.logical_spec(w_logical, w.shape, mesh))
-    return _mm_vjp(x, w, w_axes, out_dtype, spec)
-
-
-def _cast_pinned(w, dtype, spec):
-    w_c = w.astype(dtype)
-    return w_c if spec is None else lax.with_sharding_constraint(w_c, spec)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _mm_vjp(x, w, w_axes, out_dtype, spec):
-    n = len(w_axes)
-    dims = ((tuple(range(x.ndim - n, x.ndim)), w_axes), ((), ()))
-    y = lax.dot_general(x, _cast_pinned(w, x.dtype, spec), dims,
-                        preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
-
-
-def _mm_fwd(x, w, w_axes, out_dtype, spec):
-    return _mm_vjp(x, w, w_axes, out_dtype, spec), (x, w)
-
-
-def _mm_bwd(w_axes, out_dtype, spec, res, g):
-    x, w = res
-    g = g.astype(x.dtype)  # bf16 cotangent: the backward products stay bf16 x bf16 -> f32
-    w_c = _cast_pinned(w, x.dtype, spec)
-    n_free = x.ndim - len(w_axes)
-    lead = tuple(range(n_free))
-    w_free = tuple(a for a in range(w.ndim) if a not in w_axes)
-    g_wdims = tuple(range(n_free, g.ndim))
-    dx = lax.dot_general(g, w_c, ((g_wdims, w_free), ((), ())), preferred_element_type=jnp.float32)
-    if w_free + w_axes == tuple(range(w.ndim)):  # w = [out..., in...] (the tied embedding)
-        dw = lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-    else:  # [in (w_axes order)..., out...] -> w's axis order
-        dw = lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
-        dw = jnp.transpose(dw, np.argsort(w_axes + w_free))
-    if spec is not None:
-        dw = lax.with_sharding_constraint(dw, spec)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_mm_vjp.defvjp(_mm_fwd, _mm_bwd)
-
-
-class Linear(nnx.Module):
-    """x[..., *in_shape] -> y[..., *out_shape]; kernel [*in_shape, *out_shape] with logical
-    axes `axes` (its `sharding.PARAM_AXES` entry without the stacked `layers` axis; a test
-    checks that the two agree for every kernel)."""
-
-    def __init__(self, in_shape, out_shape, *, axes, use_bias, rngs, dtype, param_dtype):
-        init = nnx.initializers.normal(0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (*in_shape, *out_shape), param_dtype))
-        self.bias = nnx.Param(jnp.zeros(out_shape, param_dtype)) if use_bias else None
-        self.n_in = len(in_shape)
-        self.axes = tuple(axes)
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        out_dtype = self.dtype if self.bias is None else jnp.float32
-        y = _mm(x.astype(self.dtype), self.kernel[...], tuple(range(self.n_in)), out_dtype,
-                self.axes)
-        if self.bias is None:
-            return y
-        return (y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
-
-
-class Embed(nnx.Module):
-    """Token embedding table [V, D] (also the output projection when tied)."""
-
-    def __init__(self, vocab: int, dim: int, *, rngs, param_dtype):
-        init = nnx.initializers.normal(0.02)
-        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype))
-
-
-class RMSNorm(nnx.Module):
-    """Normalises the last axis with float32 statistics (HF Qwen2RMSNorm/Qwen3RMSNorm)."""
-
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # Scaled in float32 and rounded once, as Hugging Face does; the scale's gradient is a
-        # float32 sum over tokens.
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
-
-
-def _rope(x_BTNH: jax.Array, sin_BTH: jax.Array, cos_BTH: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout: the two halves of the head dim form the pairs)."""
-    x32_BTNH = x_BTNH.astype(jnp.float32)
-    x1, x2 = jnp.split(x32_BTNH, 2, axis=-1)
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    out = x32_BTNH * cos_BTH[:, :, None, :] + rot * sin_BTH[:, :, None, :]
-    return out.astype(x_BTNH.dtype)
-
-
-def _rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-    angle = jnp.concatenate([angle, angle], axis=-1)
-    return jnp.sin(angle), jnp.cos(angle)
-
-
-# Logical axes of the activations (`sharding.DEFAULT_RULES`): rows over the data-parallel
-# axes, heads / MLP width / vocabulary over `tensor`, the hidden dimension whole.
-_X_AXES = ("act_batch", "act_length", "act_embed")
-_Q_AXES = ("act_batch", "act_length", "act_heads", None)
-_KV_AXES = ("act_batch", "act_length", "act_kv_heads", None)
-_MLP_AXES = ("act_batch", "act_length", "act_mlp")
-_LOGITS_AXES = ("act_batch", "act_length", "act_vocab")
-
-
 class Attention(nnx.Module):
-    """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF."""
+    """Grouped-query self-attention; query head n uses kv head n // (N // K) as in HF. The
+    attention itself is the cache mode's (`attend`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
         D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -328,68 +218,18 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(H, **nkw) if cfg.use_qk_norm else None
 
-    def _qkv(self, x_BTD, sin_BTH, cos_BTH):
-        """Queries and keys after q/k norm and RoPE, values; all in the compute dtype."""
+    def __call__(self, x_BTD, rope_BTH, attend):
+        """-> (output x_BTD, what `attend(q, k, v)` returned beside the attention output).
+        Queries and keys after q/k norm and RoPE, values; all in the compute dtype."""
+        sin_BTH, cos_BTH = rope_BTH
         q_BTNH, k_BTKH, v_BTKH = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH = sharding.constrain(_rope(q_BTNH, sin_BTH, cos_BTH), _Q_AXES)
-        k_BTKH = sharding.constrain(_rope(k_BTKH, sin_BTH, cos_BTH), _KV_AXES)
-        return q_BTNH, k_BTKH, sharding.constrain(v_BTKH, _KV_AXES)
-
-    def __call__(self, x_BTD, sin_BTH, cos_BTH, valid_BT, impl: str):
-        """Full causal self-attention -> (output, (k_BTKH, v_BTKH)) (the keys for a cache)."""
-        q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, sin_BTH, cos_BTH)
-        o_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, valid_BT, impl=impl)
-        return self.o_proj(sharding.constrain(o_BTNH, _Q_AXES)), (k_BTKH, v_BTKH)
-
-    def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
-        """One new token per row over its cache (and a shared prefix) -> (out, (k_BKH, v_BKH))."""
-        q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, sin_B1H, cos_B1H)
-        o_BNH = attention_lib.decode_attention(q_B1NH[:, 0], k_B1KH[:, 0], v_B1KH[:, 0],
-                                               k_BSKH, v_BSKH, valid_BS, prefix=prefix)
-        return self.o_proj(o_BNH[:, None]), (k_B1KH[:, 0], v_B1KH[:, 0])
-
-
-    def decode_paged(self, x_B1D, sin_B1H, cos_B1H, pool, write, table_BX, lengths_B, impl):
-        """One new token per row over a paged cache (`PagePool`) -> (out, pool, (k_BKH,
-        v_BKH)). With `write` = (page_B, offset_B), its key/value are written there first
-        (ids out of range: not written) and attended from the pool; with write None, the
-        pool is only read and they are attended as `new_kv`, for the caller to write."""
-        q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, sin_B1H, cos_B1H)
-        kv = (k_B1KH[:, 0], v_B1KH[:, 0])
-        if write is not None:
-            pool = pool.write(*write, *kv)
-        o_BNH = attention_lib.paged_decode_attention(
-            q_B1NH[:, 0], pool.k, pool.v, table_BX, lengths_B, impl=impl,
-            new_kv=None if write is not None else kv)
-        return self.o_proj(o_BNH[:, None]), pool, kv
-
-
-    def chunk_paged(self, x_BCD, sin_BCH, cos_BCH, pool, table_BQ, start_B, valid_BC):
-        """A chunk of tokens per row after its paged prefix (`attention.paged_chunk_attention`;
-        the pool only read) -> (out, (k_BCKH, v_BCKH)), the chunk's keys for the caller to
-        write."""
-        q_BCNH, k_BCKH, v_BCKH = self._qkv(x_BCD, sin_BCH, cos_BCH)
-        o_BCNH = attention_lib.paged_chunk_attention(q_BCNH, k_BCKH, v_BCKH, pool.k, pool.v,
-                                                     table_BQ, start_B, valid_BC)
-        return self.o_proj(sharding.constrain(o_BCNH, _Q_AXES)), (k_BCKH, v_BCKH)
-
-
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), the product in float32, rounded once."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs, dtype, param_dtype):
-        D, F = cfg.hidden_size, cfg.intermediate_size
-        kw = dict(use_bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.gate_proj = Linear((D,), (F,), axes=("embed", "mlp"), **kw)
-        self.up_proj = Linear((D,), (F,), axes=("embed", "mlp"), **kw)
-        self.down_proj = Linear((F,), (D,), axes=("mlp", "embed"), **kw)
-
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        g_BTF = self.gate_proj(x_BTD).astype(jnp.float32)
-        h_BTF = jax.nn.silu(g_BTF) * self.up_proj(x_BTD).astype(jnp.float32)
-        return self.down_proj(sharding.constrain(h_BTF.astype(x_BTD.dtype), _MLP_AXES))
+        q_BTNH = sharding.constrain(rope(q_BTNH, sin_BTH, cos_BTH), Q_AXES)
+        k_BTKH = sharding.constrain(rope(k_BTKH, sin_BTH, cos_BTH), KV_AXES)
+        v_BTKH = sharding.constrain(v_BTKH, KV_AXES)
+        o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
+        return self.o_proj(sharding.constrain(o_BTNH, Q_AXES)), aux
 
 
 class DecoderLayer(nnx.Module):
@@ -399,95 +239,49 @@ class DecoderLayer(nnx.Module):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         nkw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.self_attn = Attention(cfg, **kw)
-        self.mlp = MLP(cfg, **kw)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.input_layernorm = RMSNorm(cfg.hidden_size, **nkw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **nkw)
 
-    def __call__(self, x_BTD, sin_BTH, cos_BTH, valid_BT, impl: str):
-        h_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), sin_BTH, cos_BTH, valid_BT, impl)
-        x_BTD = sharding.constrain(x_BTD + h_BTD, _X_AXES)
+    def __call__(self, x_BTD, rope_BTH, attend):
+        """-> (x_BTD, the cache mode's per-layer output of `attend`)."""
+        h_BTD, aux = self.self_attn(self.input_layernorm(x_BTD), rope_BTH, attend)
+        x_BTD = sharding.constrain(x_BTD + h_BTD, X_AXES)
         return sharding.constrain(x_BTD + self.mlp(self.post_attention_layernorm(x_BTD)),
-                                  _X_AXES), kv
-
-    def decode_paged(self, x_B1D, sin_B1H, cos_B1H, pool, write, table_BX, lengths_B, impl):
-        h_B1D, pool, kv = self.self_attn.decode_paged(self.input_layernorm(x_B1D), sin_B1H,
-                                                      cos_B1H, pool, write, table_BX,
-                                                      lengths_B, impl)
-        x_B1D = x_B1D + h_B1D
-        return x_B1D + self.mlp(self.post_attention_layernorm(x_B1D)), pool, kv
-
-    def chunk_paged(self, x_BCD, sin_BCH, cos_BCH, pool, table_BQ, start_B, valid_BC):
-        h_BCD, kv = self.self_attn.chunk_paged(self.input_layernorm(x_BCD), sin_BCH, cos_BCH,
-                                               pool, table_BQ, start_B, valid_BC)
-        x_BCD = sharding.constrain(x_BCD + h_BCD, _X_AXES)
-        return sharding.constrain(x_BCD + self.mlp(self.post_attention_layernorm(x_BCD)),
-                                  _X_AXES), kv
-
-    def decode(self, x_B1D, sin_B1H, cos_B1H, k_BSKH, v_BSKH, valid_BS, prefix):
-        h_B1D, kv = self.self_attn.decode(self.input_layernorm(x_B1D), sin_B1H, cos_B1H, k_BSKH,
-                                          v_BSKH, valid_BS, prefix)
-        x_B1D = x_B1D + h_B1D
-        return x_B1D + self.mlp(self.post_attention_layernorm(x_B1D)), kv
+                                  X_AXES), aux
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    """Keys (after RoPE) and values of every layer, in the compute dtype."""
+@dataclasses.dataclass(frozen=True)
+class FullAttention:
+    """Cache mode of a full causal forward over `valid_BT` (1: real token), with the
+    model's attention kernel (`attention.attention`, `impl` a `model.attention` value);
+    `finish` returns every layer's keys and values (k_LBTKH, v_LBTKH) if `keep_kv`, else
+    None (a prefill writes them into its cache; a trainer keeps nothing)."""
 
-    k_LBSKH: jax.Array  # [L, B, S, K, H]
-    v_LBSKH: jax.Array  # [L, B, S, K, H]
+    valid_BT: jax.Array
+    impl: str = "auto"
+    keep_kv: bool = False
+    interpret: bool = False
+    remat = True
 
-    def write(self, k_LBKH: jax.Array, v_LBKH: jax.Array, slot) -> KVCache:
-        """The cache with one token per row written at `slot` (in place when the buffer is
-        loop-carried or donated)."""
-        start = (0, 0, slot, 0, 0)
-        put = lambda buf, new: lax.dynamic_update_slice(  # noqa: E731
-            buf, new[:, :, None].astype(buf.dtype), start)
-        return KVCache(put(self.k_LBSKH, k_LBKH), put(self.v_LBSKH, v_LBKH))
+    def layer_xs(self, num_layers: int):
+        return None
 
+    def init(self):
+        return None
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PagePool:
-    """The rollout engine's pages of keys (after RoPE) and values, every layer in one array
-    per side: layer l's page p is page l * NP + p, so a layer's decode hands the whole pool
-    to the paged-attention kernel (no per-layer slice copied out) with its table offset by
-    l * NP. [K, L * NP, page, H] is the layout of jax's TPU paged-attention kernel."""
+    def attend(self, q_BTNH, k_BTKH, v_BTKH, xs_l, state):
+        o_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, self.valid_BT, impl=self.impl,
+                                         interpret=self.interpret)
+        return o_BTNH, None, (k_BTKH, v_BTKH) if self.keep_kv else None
 
-    k: jax.Array  # [K, L * NP, page, H]
-    v: jax.Array
-
-    @staticmethod
-    def zeros(config: ModelConfig, num_pages: int, page_size: int, dtype) -> PagePool:
-        shape = (config.num_kv_heads, config.num_layers * num_pages, page_size, config.head_dim)
-        return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    def write(self, page_S, offset_S, k_SKH, v_SKH) -> PagePool:
-        """Keys/values of any batch shape S written at pool page `page_S` (ids out of range
-        are dropped: not written), slot `offset_S`, in one scatter per side."""
-        def put(buf, new_SKH):
-            new_KSH = jnp.moveaxis(new_SKH, -2, 0).astype(buf.dtype)
-            return buf.at[:, page_S, offset_S].set(new_KSH, mode="drop")
-
-        return PagePool(put(self.k, k_SKH), put(self.v, v_SKH))
-
-    def write_tokens(self, table_BQ, pos_BC, valid_BC, k_LBCKH, v_LBCKH) -> PagePool:
-        """Every layer's keys/values of the tokens at positions `pos_BC` (those with
-        valid_BC) of the runs whose pages are `table_BQ` (ids < NP, the pages per layer),
-        written at those positions, in one scatter per side."""
-        L, ps = k_LBCKH.shape[0], self.k.shape[2]
-        NP = self.k.shape[1] // L
-        page_BC = jnp.take_along_axis(table_BQ, pos_BC // ps, axis=1, mode="clip")
-        page_LBC = jnp.where(valid_BC, jnp.arange(L)[:, None, None] * NP + page_BC, L * NP)
-        return self.write(page_LBC, jnp.broadcast_to(pos_BC % ps, page_LBC.shape), k_LBCKH,
-                          v_LBCKH)
+    def finish(self, state, ys):
+        return ys
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """Zeroed KV cache with `max_len` slots per row."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+def default_positions(valid_BT: jax.Array) -> jax.Array:
+    """Each token's number of real tokens before it (left padding shifts nothing)."""
+    return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs, dtype, param_dtype) -> DecoderLayer:
@@ -523,176 +317,72 @@ class Qwen(nnx.Module):
     def _embed(self, tokens_BT):
         # the table is read in its storage dtype (the gradient's scatter-add stays float32)
         x_BTD = jnp.take(self.embed_tokens.embedding[...], tokens_BT, axis=0).astype(self.dtype)
-        return sharding.constrain(x_BTD, _X_AXES)
+        return sharding.constrain(x_BTD, X_AXES)
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         """The output head on final hidden states: norm, then projection -> float32 logits."""
         x_BTD = self.norm(x_BTD)
         if self.lm_head is None:
-            logits_BTV = _mm(x_BTD, self.embed_tokens.embedding[...], (1,),
-                             w_logical=("vocab", "embed"))
+            logits_BTV = mm(x_BTD, self.embed_tokens.embedding[...], (1,),
+                            w_logical=("vocab", "embed"))
         else:
-            logits_BTV = _mm(x_BTD, self.lm_head.kernel[...], (0,), w_logical=self.lm_head.axes)
-        return sharding.constrain(logits_BTV, _LOGITS_AXES)
+            logits_BTV = mm(x_BTD, self.lm_head.kernel[...], (0,), w_logical=self.lm_head.axes)
+        return sharding.constrain(logits_BTV, LOGITS_AXES)
 
-    def _scan_layers(self, body, x, xs, remat: str = "none"):
-        """lax.scan of body(layer, x, xs_l) -> (x, ys_l) over the stacked layers, the remat
-        policy applied to one layer (the scanned body), so the program holds one layer
-        (`config.scan_unroll` layers per iteration)."""
-        graphdef, state = nnx.split(self.layers)
+    def full(self, valid_BT: jax.Array, *, keep_kv: bool = False) -> FullAttention:
+        """The full-forward cache mode with this model's kernel choice."""
+        return FullAttention(valid_BT.astype(bool), self.config.attention, keep_kv,
+                             self.config.kernel_interpret)
 
-        def step(x, xs_l):
-            layer_state, rest = xs_l
-            return body(nnx.merge(graphdef, layer_state), x, rest)
+    def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any):
+        """The decoder stack without the head, attention supplied by the cache mode `cache`
+        -> (final hidden states x_BTD before the final norm, `cache.finish`'s result).
+        `logits(x_BTD)` finishes the forward (a scorer that must not form all logits at
+        once runs it on chunks of positions)."""
+        cfg = self.config
+        rope_BTH = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
+        graphdef, layer_state = nnx.split(self.layers)
 
-        policy = REMAT_POLICIES[remat]
+        def step(carry, xs):
+            x_BTD, state = carry
+            layer_state_l, xs_l = xs
+
+            def attend(q_BTNH, k_BTKH, v_BTKH):
+                o_BTNH, new_state, ys_l = cache.attend(q_BTNH, k_BTKH, v_BTKH, xs_l, state)
+                return o_BTNH, (new_state, ys_l)
+
+            layer = nnx.merge(graphdef, layer_state_l)
+            x_BTD, (state, ys_l) = layer(x_BTD, rope_BTH, attend)
+            return (x_BTD, state), ys_l
+
+        policy = REMAT_POLICIES[cfg.remat] if cache.remat else None
         if policy is not None:
             step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-        unroll = min(self.config.scan_unroll, self.config.num_layers)
-        return lax.scan(step, x, (state, xs), unroll=unroll)
+        carry = (self._embed(tokens_BT), cache.init())
+        (x_BTD, state), ys = lax.scan(step, carry, (layer_state, cache.layer_xs(cfg.num_layers)),
+                                      unroll=min(cfg.scan_unroll, cfg.num_layers))
+        return x_BTD, cache.finish(state, ys)
+
+    def hidden_states(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                      attn_mask_BT: jax.Array | None = None) -> jax.Array:
+        """The full causal forward without the head -> x_BTD (before the final norm);
+        mask and positions as `__call__`'s."""
+        B, T = tokens_BT.shape
+        valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
+        if positions_BT is None:
+            positions_BT = default_positions(valid_BT)
+        return self.forward(tokens_BT, positions_BT, self.full(valid_BT))[0]
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 attn_mask_BT: jax.Array | None = None, *, logits_slice: slice | None = None,
-                 return_kv: bool = False):
-        """Full causal forward -> float32 logits [B, T, V] (and the KVCache if `return_kv`).
+                 attn_mask_BT: jax.Array | None = None, *, logits_slice: slice | None = None):
+        """Full causal forward -> float32 logits [B, T, V].
 
         `logits_slice` (a static slice of the T positions) returns only those positions'
         logits, [B, len(range(T)[logits_slice]), V]: the final norm and the output projection
         then run on those hidden states only (a trainer scoring responses skips the prompt
-        positions, a next-token loss the last one, a prefill all but the last).
+        positions, a next-token loss the last one).
         """
-        x_BTD, kv = self.hidden_states(tokens_BT, positions_BT, attn_mask_BT, return_kv=True)
+        x_BTD = self.hidden_states(tokens_BT, positions_BT, attn_mask_BT)
         if logits_slice is not None:
             x_BTD = x_BTD[:, logits_slice]
-        logits_BTV = self.logits(x_BTD)
-        return (logits_BTV, kv) if return_kv else logits_BTV
-
-    def hidden_states(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                      attn_mask_BT: jax.Array | None = None, *, return_kv: bool = False):
-        """The decoder stack without the head -> (final hidden states x_BTD, before the final
-        norm; the KVCache if `return_kv`, else None). `logits(x_BTD)` finishes the forward;
-        a scorer that must not form all logits at once runs it on chunks of positions."""
-        B, T = tokens_BT.shape
-        valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
-        if positions_BT is None:
-            positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=1) - 1, 0)
-        sin_BTH, cos_BTH = _rope_tables(positions_BT, self.config.head_dim,
-                                        self.config.rope_theta)
-        impl = attention_lib.resolve(self.config.attention, dtype=self.dtype, seq_len=T)
-
-        def body(layer, x_BTD, _):
-            x_BTD, kv = layer(x_BTD, sin_BTH, cos_BTH, valid_BT, impl)
-            return x_BTD, kv if return_kv else None
-
-        x_BTD, kv = self._scan_layers(body, self._embed(tokens_BT), None, self.config.remat)
-        return x_BTD, KVCache(*kv) if return_kv else None
-
-    def decode_step(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache,
-                    valid_BS: jax.Array, prefix: tuple[KVCache, jax.Array] | None = None):
-        """One new token per row -> (logits_BV float32, k_LBKH, v_LBKH).
-
-        The token attends to its row's cache slots where `valid_BS`, to itself, and, with
-        `prefix` = (prompt KVCache of P rows, valid_PT), to its prompt's slots, shared by the
-        B // P contiguous rows of each prompt. The new keys/values are returned for the caller
-        to write (`KVCache.write`); the cache is not changed here.
-        """
-        pk, pv, pvalid_PT = ((None, None, None) if prefix is None else
-                             (prefix[0].k_LBSKH, prefix[0].v_LBSKH, prefix[1].astype(bool)))
-
-        def keys(xs_l):
-            k_BSKH, v_BSKH, pk_PTKH, pv_PTKH = xs_l
-            pre = None if pk_PTKH is None else (pk_PTKH, pv_PTKH, pvalid_PT)
-            return k_BSKH, v_BSKH, valid_BS.astype(bool), pre
-
-        return self._decode_scan(tokens_B, positions_B, keys,
-                                 (cache.k_LBSKH, cache.v_LBSKH, pk, pv))
-
-    def _decode_scan(self, tokens_B, positions_B, keys, xs):
-        """The layer scan of one decode step: `keys(xs_l)` -> (k_BSKH, v_BSKH, valid_BS,
-        prefix) the layer attends to -> (logits_BV float32, k_LBKH, v_LBKH)."""
-        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
-                                        self.config.rope_theta)
-
-        def body(layer, x_B1D, xs_l):
-            return layer.decode(x_B1D, sin_B1H, cos_B1H, *keys(xs_l))
-
-        x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(body, self._embed(tokens_B[:, None]), xs)
-        return self.logits(x_B1D)[:, 0], k_LBKH, v_LBKH
-
-    def prefill_chunk_paged(self, tokens_BC: jax.Array, valid_BC: jax.Array, pool: PagePool,
-                            page_table_BQ: jax.Array, start_B: jax.Array):
-        """Chunked prefill over a paged cache: row b's chunk holds its tokens start_B[b],
-        start_B[b] + 1, ... (those with valid_BC, a prefix of the chunk), after its first
-        start_B[b] tokens cached in its pages `page_table_BQ[b]` (ids < NP, the pages per
-        layer) read in order -> (final hidden states x_BCD before the norm, for `logits`;
-        the pool with the chunk's keys/values written at their positions in those pages).
-        Prefilling a sequence chunk by chunk gives the keys and last logits of one full
-        forward (`__call__`). The pool is read in the layer scan and written once after it.
-        """
-        L = self.config.num_layers
-        NP = pool.k.shape[1] // L
-        C = tokens_BC.shape[1]
-        valid_BC = valid_BC.astype(bool)
-        pos_BC = start_B[:, None] + jnp.arange(C)[None]
-        sin_BCH, cos_BCH = _rope_tables(pos_BC, self.config.head_dim, self.config.rope_theta)
-        page_table_BQ = jnp.where(page_table_BQ < NP, page_table_BQ, 0)
-
-        def body(layer, x_BCD, layer_ix):
-            return layer.chunk_paged(x_BCD, sin_BCH, cos_BCH, pool,
-                                     page_table_BQ + layer_ix * NP, start_B, valid_BC)
-
-        x_BCD, (k_LBCKH, v_LBCKH) = self._scan_layers(body, self._embed(tokens_BC),
-                                                      jnp.arange(L))
-        return x_BCD, pool.write_tokens(page_table_BQ, pos_BC, valid_BC, k_LBCKH, v_LBCKH)
-
-    def decode_step_paged(self, tokens_B: jax.Array, positions_B: jax.Array, pool: PagePool,
-                          page_table_BX: jax.Array, lengths_B: jax.Array,
-                          write_page_B: jax.Array, write_offset_B: jax.Array):
-        """One new token per decode slot over a paged cache -> (logits_BV float32, the pool
-        with the new keys/values written).
-
-        Row b's key/value of each layer go to its page `write_page_B[b]` (a page id < NP,
-        the pages per layer; NP: not written) at `write_offset_B[b]`, and the token attends
-        to the first `lengths_B[b]` tokens of its pages `page_table_BX[b]` read in order (its
-        prompt's full pages, shared with the prompt's other rows, then its own), itself the
-        last. `pool` is a `PagePool`; the kernel is `attention.paged_impl`'s. A kernel that
-        reads the new key from the pool (`attention.paged_writes_first`) has each layer
-        write before it attends, the pool carried through the layer scan; the gather path
-        only reads the pool in the scan and writes every layer's keys in one scatter after
-        it (one pool update per step, not one per layer).
-        """
-        L = self.config.num_layers
-        NP = pool.k.shape[1] // L
-        impl = attention_lib.paged_impl(self.config.attention, dtype=self.dtype,
-                                        head_dim=self.config.head_dim,
-                                        page_size=pool.k.shape[2])
-        sin_B1H, cos_B1H = _rope_tables(positions_B[:, None], self.config.head_dim,
-                                        self.config.rope_theta)
-        page_table_BX = jnp.where(page_table_BX < NP, page_table_BX, 0)
-        # layer l's pages are l * NP + p; rows that do not write get an id past the pool
-        write_page_LB = jnp.where(write_page_B < NP, jnp.arange(L)[:, None] * NP + write_page_B,
-                                  L * NP)
-        write_offset_LB = jnp.broadcast_to(write_offset_B, write_page_LB.shape)
-        x_B1D = self._embed(tokens_B[:, None])
-
-        if attention_lib.paged_writes_first(impl):
-            def body(layer, carry, xs_l):
-                x_B1D, pool = carry
-                layer_ix, write = xs_l
-                x_B1D, pool, _ = layer.decode_paged(x_B1D, sin_B1H, cos_B1H, pool, write,
-                                                    page_table_BX + layer_ix * NP, lengths_B,
-                                                    impl)
-                return (x_B1D, pool), None
-
-            xs = (jnp.arange(L), (write_page_LB, write_offset_LB))
-            (x_B1D, pool), _ = self._scan_layers(body, (x_B1D, pool), xs)
-        else:
-            def body(layer, x_B1D, layer_ix):
-                x_B1D, _, kv = layer.decode_paged(x_B1D, sin_B1H, cos_B1H, pool, None,
-                                                  page_table_BX + layer_ix * NP, lengths_B,
-                                                  impl)
-                return x_B1D, kv
-
-            x_B1D, (k_LBKH, v_LBKH) = self._scan_layers(body, x_B1D, jnp.arange(L))
-            pool = pool.write(write_page_LB, write_offset_LB, k_LBKH, v_LBKH)
-        return self.logits(x_B1D)[:, 0], pool
+        return self.logits(x_BTD)
