@@ -1,4 +1,5 @@
-"""Tests for ba_jax.rewards.code: extraction, comparison, verdicts and hostile programs.
+"""Tests for ba_jax.rewards.code and its sandbox: extraction, comparison, verdicts and
+hostile programs.
 
 Hostile programs (loops, fork and memory bombs, floods, escapes, network, signals, reads
 of the project and of evaluation data) must each fail within their limits and leave the
@@ -19,7 +20,7 @@ import uuid
 
 import pytest
 
-from ba_jax.rewards import code
+from ba_jax.rewards import code, sandbox
 
 TIMEOUT_S = 1.0
 # Launch, kill and clean-up time on top of the limit, on a loaded 2-core machine.
@@ -41,7 +42,7 @@ def iso():
 def work_root(tmp_path, monkeypatch):
     root = tmp_path / "sandbox_root"
     root.mkdir()
-    monkeypatch.setattr(code, "_WORK_ROOT", str(root))
+    monkeypatch.setattr(sandbox, "_WORK_ROOT", str(root))
     yield root
     assert list(root.iterdir()) == [], "per-program temp dirs must be removed"
 
@@ -351,18 +352,19 @@ _TRACEBACK = b"Traceback (most recent call last):\n  ...\nMemoryError\n"
 
 @pytest.mark.parametrize("run,status", [
     # the memory limit was hit: memory, however the run then ended
-    (code._Run("exit", 1, stderr=_TRACEBACK), "memory"),
-    (code._Run("timeout", stderr=_TRACEBACK), "memory"),  # still dying at the deadline
-    (code._Run("signal", signal.SIGXCPU, 2.0, stderr=_TRACEBACK), "memory"),
-    (code._Run("signal", signal.SIGKILL, 0.1, stderr=b"OSError: Cannot allocate memory"), "memory"),
+    (sandbox.Run("exit", 1, stderr=_TRACEBACK), "memory"),
+    (sandbox.Run("timeout", stderr=_TRACEBACK), "memory"),  # still dying at the deadline
+    (sandbox.Run("signal", signal.SIGXCPU, 2.0, stderr=_TRACEBACK), "memory"),
+    (sandbox.Run("signal", signal.SIGKILL, 0.1, stderr=b"OSError: Cannot allocate memory"),
+     "memory"),
     # no sign of it: the clock, the CPU limit or the crash decides
-    (code._Run("timeout", stderr=b"Traceback\nKeyError: 1\n"), "timeout"),
-    (code._Run("signal", signal.SIGKILL, 2.0), "timeout"),
-    (code._Run("signal", signal.SIGSEGV, 0.1), "error"),
-    (code._Run("exit", 1, stderr=b"ValueError\n"), "error"),
+    (sandbox.Run("timeout", stderr=b"Traceback\nKeyError: 1\n"), "timeout"),
+    (sandbox.Run("signal", signal.SIGKILL, 2.0), "timeout"),
+    (sandbox.Run("signal", signal.SIGSEGV, 0.1), "error"),
+    (sandbox.Run("exit", 1, stderr=b"ValueError\n"), "error"),
     # a clean exit is judged on its output, and an output flood stays an error
-    (code._Run("exit", 0, stdout=b"ok\n", stderr=_TRACEBACK), "passed"),
-    (code._Run("overflow", stderr=_TRACEBACK), "error"),
+    (sandbox.Run("exit", 0, stdout=b"ok\n", stderr=_TRACEBACK), "passed"),
+    (sandbox.Run("overflow", stderr=_TRACEBACK), "error"),
 ])
 def test_verdict_is_decided_by_cause(run, status):
     assert code._verdict(run, "ok", timeout_s=1.0)[0] == status
@@ -381,6 +383,6 @@ class _LateReader(selectors.DefaultSelector):
     ("import sys; sys.stderr.write('MemoryError\\n'); sys.exit(1)", "ok", "memory"),
 ])
 def test_output_left_in_the_pipes_is_read(source, expected, status, work_root, monkeypatch):
-    monkeypatch.setattr(code.selectors, "DefaultSelector", _LateReader)
+    monkeypatch.setattr(sandbox.selectors, "DefaultSelector", _LateReader)
     result = _run(source, [{"input": "", "output": expected}], timeout_s=MEMORY_TIMEOUT_S)
     assert result.status == status, result

@@ -1,1 +1,2 @@
-"""Verifiable rewards: math answer checking (`math`); sandboxed code execution lives in `code`."""
+"""Verifiable rewards: math answer checking (`math`); code answer checking (`code`), which
+runs programs in the sandbox (`sandbox`, `sandbox_launcher`, `sandbox_slots`, `sandbox_root`)."""

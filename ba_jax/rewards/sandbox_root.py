@@ -1,13 +1,14 @@
 """The minimal root of a sandboxed program: which host files its interpreter needs.
 
 Lives here: `make_root_plan(python)`, which runs a census of the interpreter once on the
-host and returns what the launcher in `code.py` builds in the program's mount namespace: a
-fresh tmpfs root holding, bound read-only, only the interpreter binary, the dynamic loader
-and the shared libraries it and its standard library's C modules load, the standard library
-folders (their site-packages covered by an empty tmpfs), `/etc/ld.so.cache`, a few /dev
-nodes, and the symlinks on the way to those paths (`/lib64 -> usr/lib64`). Nothing else of
-the host, the project tree and evaluation data included, exists there. Not here: building
-that root and running programs (`code.py`); see docs/sandbox.md.
+host and returns what the launcher (`sandbox_launcher.py`) builds in the program's mount
+namespace: a fresh tmpfs root holding, bound read-only, only the interpreter binary, the
+dynamic loader and the shared libraries it and its standard library's C modules load, the
+standard library folders (their site-packages covered by an empty tmpfs), `/etc/ld.so.cache`,
+a few /dev nodes, and the symlinks on the way to those paths (`/lib64 -> usr/lib64`).
+Nothing else of the host, the project tree and evaluation data included, exists there. Not
+here: building that root (`sandbox_launcher.py`) and running programs (`sandbox.py`); see
+docs/sandbox.md.
 """
 
 from __future__ import annotations
