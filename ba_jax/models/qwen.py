@@ -3,8 +3,8 @@
 Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), the `Qwen` module (full
 forward, prefill and one-token cached decode), `KVCache` and `init_cache`. Not here: the
 attention kernels (`attention.py`, the one seam that knows which kernel runs), the Hugging Face
-key table and file IO (`convert_hf.py`), parameter shardings (`sharding.py`), sampling loops
-(`sampler.py`).
+key table (`hf_table.py`) and file IO (`convert_hf.py`), parameter shardings (`sharding.py`),
+sampling loops (`sampler.py`).
 
 Call interface:
 
