@@ -22,7 +22,7 @@ from flax import nnx
 from ba_jax import data, distributed, experience, grpo, optim, run_config, sharding
 from ba_jax.models import convert_hf, qwen
 from ba_jax.rollout import EngineSettings, RolloutEngine, SamplingSettings, prompt_bucket
-from ba_jax.tasks import arithmetic
+from ba_jax.tasks import arithmetic, warmup
 
 
 def make_mesh(cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:
@@ -170,6 +170,19 @@ def engine_settings(cfg: Any, *, prompts_per_call: int = 0) -> EngineSettings:
                               prompts_per_call=prompts_per_call)
     except ValueError as e:
         raise run_config.ConfigError(f"config.rollout: {e}") from e
+
+
+def warmup_settings(cfg: Any) -> warmup.WarmupSettings | None:
+    """The embedded task's supervised warm-up (config.arithmetic), or None where there is
+    none (another task, or `warmup_steps=0`)."""
+    a = cfg.arithmetic
+    if cfg.task != "arithmetic" or a.warmup_steps <= 0:
+        return None
+    return warmup.WarmupSettings(
+        steps=a.warmup_steps, batch_size=a.warmup_batch_size,
+        learning_rate=a.warmup_learning_rate, correct_frac=a.warmup_correct_frac,
+        target_accuracy=a.warmup_target_accuracy, response_len=cfg.rollout.max_new_tokens,
+        max_operand=a.max_operand, ops=a.ops, seed=cfg.seed)
 
 
 def experience_settings(cfg: Any) -> experience.ExperienceSettings:

@@ -21,15 +21,17 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from ba_jax import checkpoint, distributed, run_config, train
+    from ba_jax import checkpoint, distributed, plot, run_config, train
 
     distributed.maybe_initialize()  # several processes: join them before touching devices
 
     try:
-        print(train.train_and_evaluate(_CONFIG.value, _WORKDIR.value))
+        print(train.run_training(_CONFIG.value, _WORKDIR.value))
     except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError,
             OSError) as e:  # OSError: a write to the workdir failed (disk full, permissions)
         cli.fail("ba_jax", e, verbose=_VERBOSE.value, log_dir=_WORKDIR.value)
+    if distributed.is_primary():
+        plot.plot_finished(_WORKDIR.value)
 
 
 if __name__ == "__main__":

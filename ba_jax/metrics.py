@@ -41,6 +41,25 @@ def read_metrics(workdir: str) -> list[dict]:
     return rows
 
 
+def step_record(*, host: dict[str, float], update: dict[str, float], timing: dict[str, float],
+                learning_rate: float, sync_s: float, step_s: float, update_s: float,
+                checkpoint_s: float) -> dict[str, float]:
+    """One step's metrics.jsonl record (less `step`): the host metrics of the rollouts
+    (`experience.host_metrics`), the update's (`train.update`: loss, clip fractions, the
+    aggregation diagnostics `diag_*`, the old-log-prob mismatch), and the step's timings;
+    `checkpoint_s` is the save at the end of the previous step."""
+    record = dict(host) | dict(update)
+    record.update(learning_rate=float(learning_rate), sampling_rounds=float(timing["rounds"]),
+                  reward_timeouts=float(timing["timeouts"]),
+                  reward_errors=float(timing["errors"]), sample_time_s=timing["sample_s"],
+                  score_time_s=timing["score_s"], step_time_s=step_s, update_time_s=update_s,
+                  checkpoint_time_s=checkpoint_s,
+                  sampling_time_share=timing["sample_s"] / step_s,
+                  tokens_per_s=host["generated_tokens"] / max(timing["sample_s"], 1e-9),
+                  weight_sync_time_s=sync_s)
+    return record
+
+
 class MetricsWriter:
     """Append one JSON object per step; mirror scalars to TensorBoard; show progress."""
 

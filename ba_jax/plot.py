@@ -80,6 +80,15 @@ def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[st
     return written
 
 
+def plot_finished(workdir: str) -> None:
+    """A finished run's curves into WORKDIR/plots (what `python -m ba_jax.main` does after the
+    loop); a failure is printed, never raised: plots are a convenience."""
+    try:
+        plot_runs([workdir], os.path.join(workdir, "plots"))
+    except Exception as e:  # noqa: BLE001 - never fail a finished run over its plots
+        print(f"plotting failed: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ba_jax.plot", description=__doc__.split("\n")[0])
     parser.add_argument("workdirs", nargs="+", help="run folders holding metrics.jsonl")

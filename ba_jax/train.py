@@ -1,8 +1,10 @@
 """The GRPO train step (pure, jitted once) and the RL loop around it.
 
 What lives here: `train_step(state, batch)` and `make_train_step` (shardings, donation),
-the train state, and `train_and_evaluate`, the plain Python loop: sample -> score ->
-advantages -> update -> log -> checkpoint. What does not: checking the config
+the train state, `Updater` / `update` (one RL step's update: the old-log-prob and reference
+passes, every mini-batch, the aggregation diagnostics), `prepare_policy` (what runs before
+the first RL step of a fresh run) and `run_training`, the plain Python loop:
+engine.sync -> experience.collect -> update -> metrics.step_record -> checkpoint. What does not: checking the config
 (run_config.py), building the run from it (build.py), the optimizer (optim.py), the
 embedded task's supervised warm-up (tasks/warmup.py), collecting experience
 (experience.py), the aggregation rules (aggregation.py), the policy's log-probs and the
@@ -16,10 +18,12 @@ the whole mini-batch, before it is cut into micro-batches (spec: aggregation.md)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -196,17 +200,112 @@ def minibatch(batch: dict[str, np.ndarray], m: int, M: int, Pg: int, G: int) -> 
     return mb
 
 
-def train_and_evaluate(cfg, workdir: str, *, devices: list | None = None) -> str:
-    """Run (or resume) the RL loop of `cfg` in `workdir` on `devices` (default all)."""
+@dataclasses.dataclass
+class Updater:
+    """The jitted pieces of one RL step's update, built once per run (`make_updater`)."""
+
+    step_fn: Any  # make_train_step's
+    diag_fn: Any  # aggregation diagnostics of the whole step's batch
+    row_sharding: Any
+    num_minibatches: int  # M
+    groups_per_shard: int  # Pg: prompts of one sampling shard
+    num_samples: int  # G
+    num_updates: int  # passes over the mini-batches
+    old_fn: Any = None  # old log-probs recomputed by the trainer (None: the engine's)
+    diff_fn: Any = None  # the mismatch between the engine's log-probs and the trainer's
+    ref_params: Any = None  # the frozen KL reference (None: no KL term)
+    ref_fn: Any = None
+
+
+def make_updater(loss: grpo.LossSettings, graphdef, tx, state, mesh, *, prompts_per_step: int,
+                 sample_shards: int, num_samples: int, num_minibatches: int, num_updates: int,
+                 recompute_old_logp: bool, compute_dtype) -> Updater:
+    """The run's `Updater`: the train step, the reference (the starting policy in the
+    compute dtype, sharded like it) when the loss has a KL term, the old-log-prob recompute
+    when the engine's log-probs come from another implementation."""
+    M, P = num_minibatches, prompts_per_step
+    rep = NamedSharding(mesh, PS())
+    upd = Updater(
+        step_fn=make_train_step(loss, graphdef, tx, state, mesh, num_groups=P // M),
+        diag_fn=jax.jit(functools.partial(
+            aggregation.diagnostics, aggregation.resolve_rule(loss.aggregation), num_groups=P,
+            **loss.rule_options), out_shardings=rep),
+        row_sharding=sharding.batch_sharding(mesh), num_minibatches=M,
+        groups_per_shard=P // sample_shards, num_samples=num_samples, num_updates=num_updates)
+    if loss.kl_kind is not None:  # validate: kl_beta > 0 with it, and only with it
+        upd.ref_params = jax.jit(functools.partial(grpo.compute_copy, dtype=compute_dtype))(
+            state["params"])
+        upd.ref_fn = make_reference_fn(loss.num_microbatches, graphdef, upd.ref_params, mesh)
+    if recompute_old_logp:
+        upd.old_fn = make_reference_fn(loss.num_microbatches, graphdef, state["params"], mesh)
+        upd.diff_fn = jax.jit(_logp_diff, out_shardings=rep)
+    return upd
+
+
+def update(upd: Updater, state, batch: dict[str, np.ndarray]):
+    """One RL step's update of `state` on this process's rows of `batch` -> (state, metrics:
+    the mean of every mini-batch update's, `nonfinite_updates`, `diag_*` of the whole batch,
+    and `rollout_logp_diff_*` where old log-probs were recomputed)."""
+    row_sh, M = upd.row_sharding, upd.num_minibatches
+    dev = distributed.put_local_rows(
+        {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
+    diag = upd.diag_fn(dev["mask_BR"], dev["adv_B"], dev["group_id_B"])
+    mbs = [distributed.put_local_rows(
+        minibatch(batch, m, M, upd.groups_per_shard, upd.num_samples), row_sh)
+        for m in range(M)]
+    diffs = []
+    for mb in mbs:  # before any update of this step: the policy that sampled
+        if upd.old_fn is not None:
+            engine_logp = mb["old_logp_BR"]
+            mb["old_logp_BR"] = upd.old_fn(state["params"], mb)
+            diffs.append(upd.diff_fn(mb["old_logp_BR"], engine_logp, mb["mask_BR"]))
+        if upd.ref_fn is not None:
+            mb["ref_logp_BR"] = upd.ref_fn(upd.ref_params, mb)
+    step_metrics = []
+    for _ in range(upd.num_updates):
+        for mb in mbs:
+            state, out = upd.step_fn(state, mb)
+            step_metrics.append(out)
+    step_metrics = jax.device_get(step_metrics)
+    metrics = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
+    metrics["nonfinite_updates"] = sum(float(o["nonfinite"]) for o in step_metrics)
+    metrics.update({f"diag_{k}": v for k, v in jax.device_get(diag).items()})
+    if diffs:  # |engine's log-prob - the trainer's| over response tokens
+        d = jax.device_get(diffs)
+        total, count = sum(x[0] for x in d), sum(x[2] for x in d)
+        metrics.update(rollout_logp_diff_mean=float(total / max(count, 1)),
+                       rollout_logp_diff_max=float(max(x[1] for x in d)))
+    return state, metrics
+
+
+def prepare_policy(cfg, graphdef, state, prompt_set, tokenizer, mesh, tx) -> dict:
+    """What runs once before the first RL step of a fresh run: the embedded task's
+    supervised format warm-up (`tasks.warmup`, config `arithmetic.warmup_*`), which gives a
+    fresh train state; other tasks start RL from the initial policy as it is."""
+    w = build.warmup_settings(cfg)
+    if w is None:
+        return state
+    params, out = warmup.warm_up(graphdef, state["params"], prompt_set, tokenizer, mesh, w)
+    print(f"warm-up: {out['steps']} supervised steps, loss {out['loss']:.3f}, "
+          f"p(true answer) {out['p_true']:.3f}; RL starts now")
+    return init_state(params, tx, mesh)
+
+
+def run_training(cfg, workdir: str, *, devices: list | None = None) -> str:
+    """Run (or resume) the RL loop of `cfg` in `workdir` on `devices` (default all) -> a
+    one-line summary. Plots are the entry point's (`main`, `ba_jax.plot`)."""
     devices = jax.devices() if devices is None else devices
     run_config.validate(cfg, len(devices))
     run_config.check_workdir(workdir)
     with workdir_lock.hold(workdir):  # one run per workdir; released on return, error or death
-        return _train_and_evaluate(cfg, workdir, devices)
+        return _run(cfg, workdir, devices)
 
 
-def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
-    """The body of `train_and_evaluate`, run while holding the workdir lock."""
+train_and_evaluate = run_training  # the name scripts and tests used before
+
+
+def _run(cfg, workdir: str, devices: list) -> str:
+    """The body of `run_training`, run while holding the workdir lock."""
     mesh = build.make_mesh(cfg, devices)
     tokenizer = build.load_tokenizer(cfg, workdir)
     prompt_set = build.load_prompt_set(cfg, tokenizer, workdir)
@@ -230,126 +329,62 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
         print(f"resumed from {ckpt.directory} at step {start}")
     else:
         start = 0
-        if cfg.task == "arithmetic" and cfg.arithmetic.warmup_steps > 0:
-            a = cfg.arithmetic
-            params, w = warmup.warm_up(
-                graphdef, state["params"], prompt_set, tokenizer, mesh, seed=cfg.seed,
-                response_len=cfg.rollout.max_new_tokens, max_operand=a.max_operand, ops=a.ops,
-                steps=a.warmup_steps, batch_size=a.warmup_batch_size,
-                learning_rate=a.warmup_learning_rate, correct_frac=a.warmup_correct_frac,
-                target_accuracy=a.warmup_target_accuracy)
-            state = init_state(params, tx, mesh)
-            print(f"warm-up: {w['steps']} supervised steps, loss {w['loss']:.3f}, "
-                  f"p(true answer) {w['p_true']:.3f}; RL starts now")
+        state = prepare_policy(cfg, graphdef, state, prompt_set, tokenizer, mesh, tx)
         _save(ckpt, 0, state, iterator, cfg)
-    plots = os.path.join(workdir, "plots")
+    summary = (f"metrics {workdir}/metrics.jsonl, plots {os.path.join(workdir, 'plots')}, "
+               f"checkpoint {ckpt.directory}")
     if start >= cfg.num_train_steps:
         ckpt.close()
-        return (f"run complete ({start} steps) in {workdir}: metrics {workdir}/metrics.jsonl, "
-                f"plots {plots}, checkpoint {ckpt.directory}")
+        return f"run complete ({start} steps) in {workdir}: {summary}"
 
-    M = cfg.grpo.num_minibatches
-    loss = build.loss_settings(cfg)
-    step_fn = make_train_step(loss, graphdef, tx, state, mesh, num_groups=P // M)
-    ref_params, ref_fn = None, None
-    if loss.kl_kind is not None:  # validate: kl_beta > 0 with it, and only with it
-        # the frozen reference: the starting policy in the compute dtype, sharded like it
-        ref_params = jax.jit(functools.partial(
-            grpo.compute_copy, dtype=run_config.DTYPES[cfg.model.dtype]))(state["params"])
-        ref_fn = make_reference_fn(loss.num_microbatches, graphdef, ref_params, mesh)
-    rep = NamedSharding(mesh, PS())
-    diag_fn = jax.jit(functools.partial(
-        aggregation.diagnostics, aggregation.resolve_rule(loss.aggregation), num_groups=P,
-        **loss.rule_options), out_shardings=rep)
-    row_sh = sharding.batch_sharding(mesh)
-    primary = distributed.is_primary()
+    g, r = cfg.grpo, cfg.rollout
+    upd = make_updater(build.loss_settings(cfg), graphdef, tx, state, mesh,
+                       prompts_per_step=P, sample_shards=r.sample_shards,
+                       num_samples=r.num_samples, num_minibatches=g.num_minibatches,
+                       num_updates=g.num_updates,
+                       recompute_old_logp=build.old_logp_recompute(cfg),
+                       compute_dtype=run_config.DTYPES[cfg.model.dtype])
+    sampling = build.sampling_settings(cfg, eos_ids, tokenizer.pad_token_id)
+    exp_settings = build.experience_settings(cfg)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,
-                                       flush_every=cfg.log_every, enabled=primary)
+                                       flush_every=cfg.log_every, enabled=distributed.is_primary())
     # The DAPO rule is a regex over 300 characters: scoring it in-process is safe and
     # avoids a pool round trip per step; `boxed` (math-verify) always goes to the pool.
     scorer = math_rewards.MathScorer(timeout_s=cfg.reward.timeout_s,
                                      num_workers=cfg.reward.num_workers or None,
                                      inline_below=1 << 30 if cfg.reward.inline_dapo else 32)
-    G, S = cfg.rollout.num_samples, cfg.rollout.sample_shards
-    per_proc = S // jax.process_count()
+    per_proc = r.sample_shards // jax.process_count()
     shards = list(range(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc))
-    sampling = build.sampling_settings(cfg, eos_ids, tokenizer.pad_token_id)
-    exp_settings = build.experience_settings(cfg)
-    # old_logp from the trainer's own forward before the update where the engine's log-probs
-    # come from another implementation (vLLM): the difference is logged as the mismatch
-    recompute = build.old_logp_recompute(cfg)
-    old_fn = (make_reference_fn(loss.num_microbatches, graphdef, state["params"], mesh)
-              if recompute else None)
-    diff_fn = jax.jit(_logp_diff, out_shardings=rep)
-    rollout_engine = None
 
     def next_prompts():
         idx = iterator.next_batch()
         return [prompt_set.prompt_ids[i] for i in idx], [prompt_set.ground_truths[i] for i in idx]
 
-    nonfinite_run = 0
-    last_save_s = 0.0
-    finished = False
+    nonfinite_run, last_save_s, finished, engine = 0, 0.0, False, None
     try:
         # started here, so `finally` always stops it (vLLM: an engine process)
-        rollout_engine = build.make_rollout_engine(cfg, graphdef, mesh, model_cfg)
+        engine = build.make_rollout_engine(cfg, graphdef, mesh, model_cfg)
         for it in range(start + 1, cfg.num_train_steps + 1):
             t0 = time.perf_counter()
-            # The engine's weights, handed over once per step (the paged engine: a compute-
+            # the engine's weights, handed over once per step (the paged engine: a compute-
             # dtype copy whole on every row device; vLLM: synced into its process), and
             # released before the update, which needs the memory
-            sync_s = rollout_engine.sync(state["params"])
+            sync_s = engine.sync(state["params"])
             exp = experience.collect(
-                rollout_engine, next_prompts, settings=exp_settings, sampling=sampling,
+                engine, next_prompts, settings=exp_settings, sampling=sampling,
                 key=jax.random.fold_in(jax.random.key(cfg.seed), it), tokenizer=tokenizer,
                 scorer=scorer, eos_ids=eos_ids, rule=prompt_set.reward_rule, shards=shards)
-            rollout_engine.release()
+            engine.release()
             t1 = time.perf_counter()
-            batch = exp.batch
-            dev = distributed.put_local_rows(
-                {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
-            diag = diag_fn(dev["mask_BR"], dev["adv_B"], dev["group_id_B"])
-            mbs = [distributed.put_local_rows(minibatch(batch, m, M, P // S, G), row_sh)
-                   for m in range(M)]
-            diffs = []
-            for mb in mbs:  # before any update of this step: the policy that sampled
-                if old_fn is not None:
-                    sampler_logp = mb["old_logp_BR"]
-                    mb["old_logp_BR"] = old_fn(state["params"], mb)
-                    diffs.append(diff_fn(mb["old_logp_BR"], sampler_logp, mb["mask_BR"]))
-                if ref_params is not None:
-                    mb["ref_logp_BR"] = ref_fn(ref_params, mb)
-            step_metrics = []
-            for _ in range(cfg.grpo.num_updates):
-                for mb in mbs:
-                    state, out = step_fn(state, mb)
-                    step_metrics.append(out)
-            step_metrics = jax.device_get(step_metrics)
+            state, upd_metrics = update(upd, state, exp.batch)
             t2 = time.perf_counter()
-            nonfinite = sum(float(o["nonfinite"]) for o in step_metrics)
-            nonfinite_run = nonfinite_run + 1 if nonfinite else 0
-            upd = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
-            upd["nonfinite_updates"] = nonfinite
+            nonfinite_run = nonfinite_run + 1 if upd_metrics["nonfinite_updates"] else 0
             host = experience.host_metrics(distributed.gather_rows(exp.first_round),
-                                           distributed.gather_rows(exp.final), G)
-            timing = exp.timing
-            total = t2 - t0
-            record = host | upd | {f"diag_{k}": v for k, v in jax.device_get(diag).items()}
-            record.update(learning_rate=float(schedule(max(int(state["step"]) - 1, 0))),
-                          sampling_rounds=float(timing["rounds"]),
-                          reward_timeouts=float(timing["timeouts"]),
-                          reward_errors=float(timing["errors"]),
-                          sample_time_s=timing["sample_s"], score_time_s=timing["score_s"],
-                          step_time_s=total, update_time_s=t2 - t1,
-                          checkpoint_time_s=last_save_s,  # the save at the end of the previous step
-                          sampling_time_share=timing["sample_s"] / total,
-                          tokens_per_s=host["generated_tokens"] / max(timing["sample_s"], 1e-9),
-                          weight_sync_time_s=sync_s)
-            if diffs:  # |sampler's log-prob - the trainer's| over response tokens
-                d = jax.device_get(diffs)
-                total, count = sum(x[0] for x in d), sum(x[2] for x in d)
-                record.update(rollout_logp_diff_mean=float(total / max(count, 1)),
-                              rollout_logp_diff_max=float(max(x[1] for x in d)))
+                                           distributed.gather_rows(exp.final), r.num_samples)
+            record = metrics_lib.step_record(
+                host=host, update=upd_metrics, timing=exp.timing,
+                learning_rate=schedule(max(int(state["step"]) - 1, 0)), sync_s=sync_s,
+                step_s=t2 - t0, update_s=t2 - t1, checkpoint_s=last_save_s)
             # The line is written before the checkpoint: a kill in between resumes from the
             # previous checkpoint and rewrites this step, so no step is ever missing.
             writer.write(it, record)
@@ -358,23 +393,15 @@ def _train_and_evaluate(cfg, workdir: str, devices: list) -> str:
                 last_save_s = _save(ckpt, it, state, iterator, cfg)
             if nonfinite_run >= cfg.max_consecutive_nonfinite:
                 raise FloatingPointError(
-                    f"{nonfinite_run} steps in a row had a non-finite loss or gradient (last at step "
-                    f"{it}); parameters were left unchanged by each of them. The last checkpoint in "
-                    f"{ckpt.directory} is intact; lower config.optim.learning_rate or inspect the data.")
+                    f"{nonfinite_run} steps in a row had a non-finite loss or gradient (last at "
+                    f"step {it}); parameters were left unchanged by each of them. The last "
+                    f"checkpoint in {ckpt.directory} is intact; lower "
+                    "config.optim.learning_rate or inspect the data.")
         finished = True
     finally:
         writer.close(finished=finished)  # a failed run's bar is not left at 100%
         scorer.close()
         ckpt.close()
-        if rollout_engine is not None:
-            rollout_engine.close()
-    try:
-        from ba_jax import plot
-
-        if distributed.is_primary():
-            plot.plot_runs([workdir], plots)
-    except Exception as e:  # noqa: BLE001 - plots are a convenience, never fail a finished run
-        print(f"plotting failed: {e}")
-    return (f"finished {cfg.num_train_steps} steps: metrics {workdir}/metrics.jsonl, plots {plots}, "
-            f"checkpoint {ckpt.directory}")
-
+        if engine is not None:
+            engine.close()
+    return f"finished {cfg.num_train_steps} steps: {summary}"

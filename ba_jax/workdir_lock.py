@@ -1,6 +1,6 @@
 """One run per workdir: an exclusive `flock` on WORKDIR/run.lock for the run's lifetime.
 
-Lives here: `hold(workdir)`, the context `train.train_and_evaluate` runs under, with
+Lives here: `hold(workdir)`, the context `train.run_training` runs under, with
 `acquire` and `WorkdirInUse` beneath it. Not here: checking that the folder is writable
 (`run_config.check_workdir`), checkpoints (`checkpoint.py`).
 

@@ -32,6 +32,7 @@ same rollouts whatever the slot count, page size, admission order, devices or pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -52,60 +53,123 @@ TRACE_COUNTS: Counter = Counter()  # traces per compile key; a test checks calls
 
 
 @struct.dataclass
-class EngineState:
-    """Carry of one engine's loop: S slots, B rows, P prompts, NP pages of `page_size`
-    tokens; a sample holds at most W pages, a prompt Wq (its bucket's)."""
+class Slots:
+    """The decode slots (the scheduler's side): S of them, each holding one sample."""
 
-    step: jax.Array  # int32 []: loop iterations so far
     sid_S: jax.Array  # int32 [S]: row (of this engine's B) held by the slot, -1 when free
     t_S: jax.Array  # int32 [S]: index of the token the slot samples next
     tok_S: jax.Array  # int32 [S]: the slot's last sampled token (decoded next)
     pages_SW: jax.Array  # int32 [S, W]: the slot's own pages in order; NP where none
     owed_S: jax.Array  # int32 [S]: pages promised to the slot and not yet taken
+
+
+@struct.dataclass
+class Alloc:
+    """The page allocator: a stack of free page ids and the pages promised ahead."""
+
     free_N: jax.Array  # int32 [NP]: stack of free page ids, free_N[:top] are free
     top: jax.Array  # int32 []
-    promised: jax.Array  # int32 []: sum of owed_S
+    promised: jax.Array  # int32 []: pages promised (slots' owed_S and the prefill's owed)
+
+
+@struct.dataclass
+class Prompts:
+    """Admission: the prompts' pages and readiness, the rows still to start or finish."""
+
     pages_PQ: jax.Array  # int32 [P, Wq]: the prompt's pages (its real tokens' keys/values
     #                       from the first slot of the first page on); NP where none
     ready_P: jax.Array  # bool [P]: the prompt has been prefilled
-    pf_p: jax.Array  # int32 []: the prompt being prefilled, -1 when none
-    pf_at: jax.Array  # int32 []: its real tokens prefilled so far
-    pf_owed: jax.Array  # int32 []: pages promised for its first pending row meanwhile
     left_P: jax.Array  # int32 [P]: the prompt's rows not yet finished (its pages go at 0)
     taken_B: jax.Array  # bool [B]: the row has had its slot, or needed none
-    pool: PagePool  # [K, L * NP, page, H]
+
+
+@struct.dataclass
+class Prefill:
+    """The prefill cursor: the one prompt being prefilled, chunk by chunk."""
+
+    p: jax.Array  # int32 []: the prompt being prefilled, -1 when none
+    at: jax.Array  # int32 []: its real tokens prefilled so far
+    owed: jax.Array  # int32 []: pages promised for its first pending row meanwhile
+
+
+@struct.dataclass
+class Outputs:
+    """What the call returns, per row: [B, R] tokens, log-probs, mask; [B] EOS flags."""
+
     tokens_BR: jax.Array
     logp_BR: jax.Array
     sampling_logp_BR: jax.Array
     mask_BR: jax.Array  # bool
     done_B: jax.Array  # bool: the sample emitted an EOS id
+
+
+@struct.dataclass
+class Counters:
+    """The loop's counters (`EngineStats`)."""
+
+    step: jax.Array  # int32 []: loop iterations so far
     busy: jax.Array  # int32 []: slot-steps that produced a token
     peak_pages: jax.Array  # int32 []: most pages held at once
     live_at_peak: jax.Array  # int32 []: tokens (prompts' and decoded) in them at that step
+
+
+@struct.dataclass
+class EngineState:
+    """Carry of one engine's loop: S slots, B rows, P prompts, NP pages of `page_size`
+    tokens (a sample holds at most W pages, a prompt Wq), grouped by concern."""
+
+    slots: Slots
+    alloc: Alloc
+    prompts: Prompts
+    prefill: Prefill
+    out: Outputs
+    counters: Counters
+    pool: PagePool  # [K, L * NP, page, H]
+
+
+# flat field name (as `_set` takes it) -> (group, field)
+_FIELDS = {f: (g, {"pf_p": "p", "pf_at": "at", "pf_owed": "owed"}.get(f, f))
+           for g, cls in (("slots", Slots), ("alloc", Alloc), ("prompts", Prompts),
+                          ("prefill", Prefill), ("out", Outputs), ("counters", Counters))
+           for f in (["pf_p", "pf_at", "pf_owed"] if cls is Prefill
+                     else [x.name for x in dataclasses.fields(cls)])}
+
+
+def _set(st: EngineState, **fields) -> EngineState:
+    """`st` with the named fields (flat names, `pf_*` for the prefill cursor's, or `pool`)
+    replaced, each in its group."""
+    groups: dict[str, dict] = {}
+    for name, value in fields.items():
+        if name == "pool":
+            st = st.replace(pool=value)
+            continue
+        g, f = _FIELDS[name]
+        groups.setdefault(g, {})[f] = value
+    return st.replace(**{g: getattr(st, g).replace(**fs) for g, fs in groups.items()})
 
 
 def _sample_keys(key, sid, t):
     return jax.vmap(lambda s, u: jax.random.fold_in(jax.random.fold_in(key, s), u))(sid, t)
 
 
-def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, *,
-                  max_new_tokens: int, num_slots: int, page_size: int, num_pages: int,
-                  rows_per_prompt: int, config: sampling.SamplingConfig, eos_E,
-                  pad_id, prefill_chunk: int = 0) -> dict[str, jax.Array]:
+def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_B, key, eos_E,
+                  pad_id, *, cs: CallShape, config: sampling.SamplingConfig
+                  ) -> dict[str, jax.Array]:
     """Traceable body of one engine (one device's share under a mesh) -> dict of [B, R] arrays
     and the loop's counters (`steps`, `busy_slot_steps`, `peak_pages`, ...).
 
     Row b samples from prompt `row_prompt_B[b]` (nondecreasing; a prompt has at most
-    `rows_per_prompt` rows) of the P left-padded prompts, with the keys of sample id
+    `cs.rows_per_prompt` rows) of the P left-padded prompts, with the keys of sample id
     `sid_B[b]` (its row in the whole call; < 0: a padding row, never sampled) and at most
-    `budget_B[b]` tokens. Each loop step first prefills one chunk of `prefill_chunk` tokens
+    `budget_B[b]` tokens. Each loop step first prefills one chunk of `cs.prefill_chunk` tokens
     (0: the whole bucket) of the prompt a pending row needs next (starting it if the pool can
     hold its pages and that row's budget), writing its keys/values into pages its rows share,
     and after its last chunk draws their first tokens; then free slots take pending rows of
     prefilled prompts; then every busy slot decodes one token."""
-    (P, Tp), R = prompt_PT.shape, max_new_tokens
-    C = min(int(prefill_chunk), Tp) if prefill_chunk else Tp
-    B, S, ps, NP, Gw = row_prompt_B.shape[0], num_slots, page_size, num_pages, rows_per_prompt
+    (P, Tp), R = prompt_PT.shape, cs.max_new_tokens
+    C = min(int(cs.prefill_chunk), Tp) if cs.prefill_chunk else Tp
+    B, S, ps = row_prompt_B.shape[0], cs.slots_per_device, cs.page_size
+    NP, Gw = cs.pages_per_device, cs.rows_per_prompt
     W, Wq = max(pages_for(R, ps), 1), prompt_pages(Tp, ps)
     X = -(-(Tp + R - 1) // ps)  # pages a slot's table lists: prompt and decoded tokens
     mc = model.config
@@ -123,34 +187,40 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
     need_B = jnp.where(budget_B >= 2,
                        (tail_P[row_prompt_B] + budget_B - 1 + ps - 1) // ps, 0)
     st = EngineState(
-        step=jnp.int32(0), sid_S=jnp.full((S,), -1, jnp.int32),
-        t_S=jnp.zeros((S,), jnp.int32), tok_S=jnp.zeros((S,), jnp.int32),
-        pages_SW=jnp.full((S, W), NP, jnp.int32), owed_S=jnp.zeros((S,), jnp.int32),
-        free_N=jnp.arange(NP, dtype=jnp.int32)[::-1], top=jnp.int32(NP), promised=jnp.int32(0),
-        pages_PQ=jnp.full((P, Wq), NP, jnp.int32), ready_P=jnp.zeros((P,), bool),
-        pf_p=jnp.int32(-1), pf_at=jnp.int32(0), pf_owed=jnp.int32(0),
-        left_P=jnp.zeros((P,), jnp.int32).at[row_prompt_B].add(real_B.astype(jnp.int32)),
-        taken_B=~real_B,
-        pool=PagePool.zeros(mc, NP, ps, model.dtype),
-        tokens_BR=jnp.full((B, R), pad_id, jnp.int32), logp_BR=jnp.zeros((B, R), jnp.float32),
-        sampling_logp_BR=jnp.zeros((B, R), jnp.float32), mask_BR=jnp.zeros((B, R), bool),
-        done_B=jnp.zeros((B,), bool), busy=jnp.int32(0), peak_pages=jnp.int32(0),
-        live_at_peak=jnp.int32(0))
+        slots=Slots(sid_S=jnp.full((S,), -1, jnp.int32), t_S=jnp.zeros((S,), jnp.int32),
+                    tok_S=jnp.zeros((S,), jnp.int32), pages_SW=jnp.full((S, W), NP, jnp.int32),
+                    owed_S=jnp.zeros((S,), jnp.int32)),
+        alloc=Alloc(free_N=jnp.arange(NP, dtype=jnp.int32)[::-1], top=jnp.int32(NP),
+                    promised=jnp.int32(0)),
+        prompts=Prompts(
+            pages_PQ=jnp.full((P, Wq), NP, jnp.int32), ready_P=jnp.zeros((P,), bool),
+            left_P=jnp.zeros((P,), jnp.int32).at[row_prompt_B].add(real_B.astype(jnp.int32)),
+            taken_B=~real_B),
+        prefill=Prefill(p=jnp.int32(-1), at=jnp.int32(0), owed=jnp.int32(0)),
+        out=Outputs(tokens_BR=jnp.full((B, R), pad_id, jnp.int32),
+                    logp_BR=jnp.zeros((B, R), jnp.float32),
+                    sampling_logp_BR=jnp.zeros((B, R), jnp.float32),
+                    mask_BR=jnp.zeros((B, R), bool), done_B=jnp.zeros((B,), bool)),
+        counters=Counters(step=jnp.int32(0), busy=jnp.int32(0), peak_pages=jnp.int32(0),
+                          live_at_peak=jnp.int32(0)),
+        pool=PagePool.zeros(mc, NP, ps, model.dtype))
 
     def release_prompts(st: EngineState) -> EngineState:
         """Prompts whose rows have all finished give their pages back."""
-        gone_P = st.ready_P & (st.left_P == 0)
-        give_PQ = gone_P[:, None] & (st.pages_PQ < NP)
-        free_N, top = paging.push_pages(st.free_N, st.top, st.pages_PQ.reshape(-1), give_PQ.reshape(-1))
-        return st.replace(free_N=free_N, top=top,
-                          pages_PQ=jnp.where(gone_P[:, None], NP, st.pages_PQ))
+        gone_P = st.prompts.ready_P & (st.prompts.left_P == 0)
+        give_PQ = gone_P[:, None] & (st.prompts.pages_PQ < NP)
+        free_N, top = paging.push_pages(st.alloc.free_N, st.alloc.top,
+                                        st.prompts.pages_PQ.reshape(-1), give_PQ.reshape(-1))
+        return _set(st, free_N=free_N, top=top,
+                    pages_PQ=jnp.where(gone_P[:, None], NP, st.prompts.pages_PQ))
 
     def start_prefill(st: EngineState, p, need) -> EngineState:
         """Prompt p: ceil(n / ps) fresh pages for its n real tokens, and a promise of `need`
         pages (the budget of its first pending row) until its last chunk is in."""
-        page_Q, top = paging.pop_pages(st.free_N, st.top, jnp.arange(Wq) < qpages_P[p])
-        return st.replace(top=top, pages_PQ=st.pages_PQ.at[p].set(page_Q), pf_p=p,
-                          pf_at=jnp.int32(0), pf_owed=need, promised=st.promised + need)
+        page_Q, top = paging.pop_pages(st.alloc.free_N, st.alloc.top,
+                                       jnp.arange(Wq) < qpages_P[p])
+        return _set(st, top=top, pages_PQ=st.prompts.pages_PQ.at[p].set(page_Q), pf_p=p,
+                    pf_at=jnp.int32(0), pf_owed=need, promised=st.alloc.promised + need)
 
     def prefill_chunk_step(st: EngineState) -> EngineState:
         """The next C real tokens of the prompt in prefill: their keys/values into its pages,
@@ -158,7 +228,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         rows' first tokens from the last token's logits. A whole bucket (C = Tp) is one
         forward with the model's attention kernel (`attention.resolve`: splash, cudnn, ...);
         a chunk attends to the pages earlier chunks wrote (`paging.PagedChunk`)."""
-        p, at = st.pf_p, st.pf_at
+        p, at = st.prefill.p, st.prefill.at
         row_T = lax.dynamic_index_in_dim(prompt_PT, p, 0, keepdims=False)
         if C == Tp:
             mask_1T = lax.dynamic_index_in_dim(pmask_PT, p, 0)
@@ -167,23 +237,24 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
             # real token j (of n) is at bucket slot Tp - n + j; it goes to position j
             j_T = jnp.arange(Tp)
             src_T = jnp.clip(Tp - len_P[p] + j_T, 0, Tp - 1)
-            st = st.replace(pool=st.pool.write_tokens(
-                st.pages_PQ[p][None], j_T[None], (j_T < len_P[p])[None],
+            st = _set(st, pool=st.pool.write_tokens(
+                st.prompts.pages_PQ[p][None], j_T[None], (j_T < len_P[p])[None],
                 k_L1TKH[:, :, src_T], v_L1TKH[:, :, src_T]))
             return finish_prefill(st, x_1TD[:, Tp - 1:])
         j_C = at + jnp.arange(C)
         valid_C = j_C < len_P[p]
         tok_C = row_T[jnp.clip(Tp - len_P[p] + j_C, 0, Tp - 1)]
         x_1CD, pool = model.forward(
-            tok_C[None], j_C[None], paging.chunk_cache(st.pool, st.pages_PQ[p][None], at[None],
+            tok_C[None], j_C[None], paging.chunk_cache(st.pool, st.prompts.pages_PQ[p][None],
+                                                       at[None],
                                                        valid_C[None], num_layers=L))
-        st = st.replace(pool=pool, pf_at=at + C)
+        st = _set(st, pool=pool, pf_at=at + C)
         last = jnp.clip(len_P[p] - 1 - at, 0, C - 1)  # the prompt's last token, if here
         return lax.cond(at + C >= len_P[p], finish_prefill, lambda st, x: st, st,
                         lax.dynamic_slice_in_dim(x_1CD, last, 1, axis=1))
 
     def finish_prefill(st: EngineState, x_11D) -> EngineState:
-        p = st.pf_p
+        p = st.prefill.p
         logits_1V = model.logits(x_11D)[:, 0]
         # its rows are contiguous: at most Gw from the first
         idx_G = jnp.searchsorted(row_prompt_B, p) + jnp.arange(Gw)
@@ -196,50 +267,53 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         at0 = lambda buf, v: buf.at[rows_G, 0].set(v.astype(buf.dtype), mode="drop")
         eos_G = jnp.any(tok_G[:, None] == eos_E[None, :], -1)
         end_G = in_G & (eos_G | (budget_B[cl_G] <= 1))  # finished with their first token
-        st = st.replace(
-            ready_P=st.ready_P.at[p].set(True), left_P=st.left_P.at[p].add(-jnp.sum(end_G)),
-            pf_p=jnp.int32(-1), pf_owed=jnp.int32(0), promised=st.promised - st.pf_owed,
-            taken_B=st.taken_B.at[jnp.where(end_G, idx_G, B)].set(True, mode="drop"),
-            tokens_BR=at0(st.tokens_BR, tok_G), logp_BR=at0(st.logp_BR, logp_G),
-            sampling_logp_BR=at0(st.sampling_logp_BR, slogp_G),
-            mask_BR=at0(st.mask_BR, in_G), done_B=st.done_B.at[rows_G].set(eos_G, mode="drop"))
+        st = _set(
+            st, ready_P=st.prompts.ready_P.at[p].set(True),
+            left_P=st.prompts.left_P.at[p].add(-jnp.sum(end_G)),
+            pf_p=jnp.int32(-1), pf_owed=jnp.int32(0), promised=st.alloc.promised - st.prefill.owed,
+            taken_B=st.prompts.taken_B.at[jnp.where(end_G, idx_G, B)].set(True, mode="drop"),
+            tokens_BR=at0(st.out.tokens_BR, tok_G), logp_BR=at0(st.out.logp_BR, logp_G),
+            sampling_logp_BR=at0(st.out.sampling_logp_BR, slogp_G),
+            mask_BR=at0(st.out.mask_BR, in_G),
+            done_B=st.out.done_B.at[rows_G].set(eos_G, mode="drop"))
         return release_prompts(st)
 
     def cond(st: EngineState):
-        return jnp.any(st.sid_S >= 0) | jnp.any(~st.taken_B)
+        return jnp.any(st.slots.sid_S >= 0) | jnp.any(~st.prompts.taken_B)
 
     def body(st: EngineState) -> EngineState:
         # 1. prefill: with none in progress, start the prompt of the first pending row (in
         #    admission order) whose prompt is not ready, if the unpromised pages hold the
         #    prompt and that row's budget (promised to it until the prompt is in, so after any
         #    prefill one more sample can always start: no deadlock); then one chunk of it
-        pend_O = ~st.taken_B[order_B]
+        pend_O = ~st.prompts.taken_B[order_B]
         prompt_O = row_prompt_B[order_B]
-        cold_O = pend_O & ~st.ready_P[prompt_O]
+        cold_O = pend_O & ~st.prompts.ready_P[prompt_O]
         first = jnp.argmax(cold_O)
         need = need_B[order_B[first]]
-        go = (st.pf_p < 0) & jnp.any(cold_O) & (
-            st.top - st.promised >= qpages_P[prompt_O[first]] + need)
+        go = (st.prefill.p < 0) & jnp.any(cold_O) & (
+            st.alloc.top - st.alloc.promised >= qpages_P[prompt_O[first]] + need)
         st = lax.cond(go, start_prefill, lambda st, p, n: st, st, prompt_O[first], need)
-        st = lax.cond(st.pf_p >= 0, prefill_chunk_step, lambda st: st, st)
+        st = lax.cond(st.prefill.p >= 0, prefill_chunk_step, lambda st: st, st)
         # 2. admission: free slots, in slot order, take the next pending rows of ready
         #    prompts whose budgets the unpromised pages cover (a prefix of those rows)
-        cand_O = ~st.taken_B[order_B] & st.ready_P[prompt_O]
-        free_S = st.sid_S < 0
+        cand_O = ~st.prompts.taken_B[order_B] & st.prompts.ready_P[prompt_O]
+        free_S = st.slots.sid_S < 0
         take_O = cand_O & (jnp.cumsum(cand_O) <= jnp.sum(free_S))
-        take_O &= jnp.cumsum(jnp.where(take_O, need_B[order_B], 0)) <= st.top - st.promised
+        unpromised = st.alloc.top - st.alloc.promised
+        take_O &= jnp.cumsum(jnp.where(take_O, need_B[order_B], 0)) <= unpromised
         row_K = jnp.full((S,), B, jnp.int32).at[
             jnp.where(take_O, jnp.cumsum(take_O) - 1, S)].set(order_B, mode="drop")
         frank_S = jnp.cumsum(free_S) - 1
         new_S = jnp.where(free_S, row_K[jnp.clip(frank_S, 0, S - 1)], B)
         admit_S = new_S < B
         cand_S = jnp.minimum(new_S, B - 1)
-        sid_S = jnp.where(admit_S, new_S, st.sid_S)
-        t_S = jnp.where(admit_S, 1, st.t_S)
-        tok_S = jnp.where(admit_S, st.tokens_BR[cand_S, 0], st.tok_S)
-        owed_S = jnp.where(admit_S, need_B[cand_S], st.owed_S)
-        promised = st.promised + jnp.sum(jnp.where(admit_S, need_B[cand_S], 0))
-        taken_B = st.taken_B.at[new_S].set(True, mode="drop")
+        sid_S = jnp.where(admit_S, new_S, st.slots.sid_S)
+        t_S = jnp.where(admit_S, 1, st.slots.t_S)
+        tok_S = jnp.where(admit_S, st.out.tokens_BR[cand_S, 0], st.slots.tok_S)
+        owed_S = jnp.where(admit_S, need_B[cand_S], st.slots.owed_S)
+        promised = st.alloc.promised + jnp.sum(jnp.where(admit_S, need_B[cand_S], 0))
+        taken_B = st.prompts.taken_B.at[new_S].set(True, mode="drop")
         live_S = sid_S >= 0
         # 3. a page for slots whose token (at position v = prompt length + t - 1 of the
         #    sample's run) starts one, or that decode for the first time: their first page
@@ -250,9 +324,9 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         full_S = full_P[p_S]
         own_S = v_S // ps - full_S  # the slot's page that v falls in
         want_S = live_S & ((v_S % ps == 0) | (d_S == 0))
-        page_S, top = paging.pop_pages(st.free_N, st.top, want_S)
+        page_S, top = paging.pop_pages(st.alloc.free_N, st.alloc.top, want_S)
         slot_ix = jnp.arange(S)
-        pages_SW = st.pages_SW.at[slot_ix, jnp.where(want_S, own_S, W)].set(page_S,
+        pages_SW = st.slots.pages_SW.at[slot_ix, jnp.where(want_S, own_S, W)].set(page_S,
                                                                                mode="drop")
         promised = promised - jnp.sum(want_S)
         owed_S = owed_S - want_S.astype(jnp.int32)
@@ -260,7 +334,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
 
         def copy_tails(pool: PagePool) -> PagePool:
             base_L1 = jnp.arange(L)[:, None] * NP
-            src_LS = base_L1 + st.pages_PQ[p_S, jnp.minimum(full_S, Wq - 1)][None]
+            src_LS = base_L1 + st.prompts.pages_PQ[p_S, jnp.minimum(full_S, Wq - 1)][None]
             dst_LS = jnp.where(copy_S[None], base_L1 + page_S[None], L * NP)
             cp = lambda buf: buf.at[:, dst_LS].set(buf[:, src_LS], mode="drop")
             return PagePool(cp(pool.k), cp(pool.v))
@@ -271,7 +345,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         #    samples its next token
         j_X = jnp.arange(X)
         table_SX = jnp.where(
-            j_X[None] < full_S[:, None], st.pages_PQ[p_S][:, jnp.minimum(j_X, Wq - 1)],
+            j_X[None] < full_S[:, None], st.prompts.pages_PQ[p_S][:, jnp.minimum(j_X, Wq - 1)],
             jnp.take_along_axis(pages_SW, jnp.clip(j_X[None] - full_S[:, None], 0, W - 1), 1))
         w_page_S = jnp.where(live_S, jnp.take_along_axis(
             pages_SW, jnp.clip(own_S, 0, W - 1)[:, None], 1)[:, 0], NP)
@@ -289,34 +363,40 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         #    a prompt whose rows have all ended frees its pages
         end_S = live_S & (eos_S | (t_S + 1 >= budget_B[jnp.maximum(sid_S, 0)]))
         give_SW = end_S[:, None] & (pages_SW < NP)
-        free_N, top_after = paging.push_pages(st.free_N, top, pages_SW.reshape(-1), give_SW.reshape(-1))
+        free_N, top_after = paging.push_pages(st.alloc.free_N, top, pages_SW.reshape(-1),
+                                              give_SW.reshape(-1))
         held = NP - top  # pages held this step, before the ends give theirs back
-        held_P = st.ready_P & (st.left_P > 0)
+        held_P = st.prompts.ready_P & (st.prompts.left_P > 0)
         live = (jnp.sum(jnp.where(live_S, d_S + 1, 0))  # tokens in them: decoded and prompts'
                 + jnp.sum(jnp.where(held_P, len_P, 0))
-                + jnp.where(st.pf_p >= 0, jnp.minimum(st.pf_at, len_P[jnp.maximum(st.pf_p, 0)]),
+                + jnp.where(st.prefill.p >= 0,
+                            jnp.minimum(st.prefill.at, len_P[jnp.maximum(st.prefill.p, 0)]),
                             0))
-        new_peak = held > st.peak_pages
-        st = st.replace(
-            step=st.step + 1, sid_S=jnp.where(end_S, -1, sid_S),
+        new_peak = held > st.counters.peak_pages
+        st = _set(
+            st, step=st.counters.step + 1, sid_S=jnp.where(end_S, -1, sid_S),
             t_S=jnp.where(live_S, t_S + 1, t_S), tok_S=jnp.where(live_S, token_S, tok_S),
             pages_SW=jnp.where(end_S[:, None], NP, pages_SW),
             owed_S=jnp.where(end_S, 0, owed_S), free_N=free_N, top=top_after,
             promised=promised - jnp.sum(jnp.where(end_S, owed_S, 0)),
-            left_P=st.left_P.at[jnp.where(end_S, p_S, P)].add(-1, mode="drop"),
+            left_P=st.prompts.left_P.at[jnp.where(end_S, p_S, P)].add(-1, mode="drop"),
             taken_B=taken_B, pool=pool,
-            tokens_BR=at(st.tokens_BR, jnp.where(live_S, token_S, pad_id)),
-            logp_BR=at(st.logp_BR, logp_S), sampling_logp_BR=at(st.sampling_logp_BR, slogp_S),
-            mask_BR=at(st.mask_BR, live_S), done_B=st.done_B.at[row_S].set(eos_S, mode="drop"),
-            busy=st.busy + jnp.sum(live_S), peak_pages=jnp.maximum(st.peak_pages, held),
-            live_at_peak=jnp.where(new_peak, live, st.live_at_peak))
+            tokens_BR=at(st.out.tokens_BR, jnp.where(live_S, token_S, pad_id)),
+            logp_BR=at(st.out.logp_BR, logp_S),
+            sampling_logp_BR=at(st.out.sampling_logp_BR, slogp_S),
+            mask_BR=at(st.out.mask_BR, live_S),
+            done_B=st.out.done_B.at[row_S].set(eos_S, mode="drop"),
+            busy=st.counters.busy + jnp.sum(live_S),
+            peak_pages=jnp.maximum(st.counters.peak_pages, held),
+            live_at_peak=jnp.where(new_peak, live, st.counters.live_at_peak))
         return release_prompts(st)
 
     st = lax.while_loop(cond, body, st)
-    return dict(tokens=st.tokens_BR, logprobs=st.logp_BR, sampling_logprobs=st.sampling_logp_BR,
-                mask=st.mask_BR, done=st.done_B, steps=st.step, busy_slot_steps=st.busy,
-                peak_pages=st.peak_pages, live_at_peak=st.live_at_peak,
-                pages_free_at_end=st.top)
+    out, n = st.out, st.counters
+    return dict(tokens=out.tokens_BR, logprobs=out.logp_BR, sampling_logprobs=out.sampling_logp_BR,
+                mask=out.mask_BR, done=out.done_B, steps=n.step, busy_slot_steps=n.busy,
+                peak_pages=n.peak_pages, live_at_peak=n.live_at_peak,
+                pages_free_at_end=st.alloc.top)
 
 
 @functools.cache
@@ -336,12 +416,8 @@ def engine_fn(graphdef, cs: CallShape, config, mesh):
               pad_id):
         TRACE_COUNTS[(cs, config)] += 1  # runs at trace time only
         out = engine_arrays(nnx.merge(graphdef, state), prompt_PT, prompt_mask_PT,
-                            row_prompt_B, sid_B, budget_B, key,
-                            max_new_tokens=cs.max_new_tokens,
-                            num_slots=cs.slots_per_device, page_size=cs.page_size,
-                            num_pages=cs.pages_per_device,
-                            rows_per_prompt=cs.rows_per_prompt, config=config,
-                            eos_E=eos_E, pad_id=pad_id, prefill_chunk=cs.prefill_chunk)
+                            row_prompt_B, sid_B, budget_B, key, eos_E, pad_id, cs=cs,
+                            config=config)
         return {n: v if v.ndim else v[None] for n, v in out.items()}
 
     axes = () if mesh is None else sharding.row_axes(mesh)

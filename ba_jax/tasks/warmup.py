@@ -10,6 +10,7 @@ or RL (train.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,10 +66,24 @@ def sft_batch(prompts: list[list[int]], texts: list[str], tokenizer, *, prompt_l
     return b
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupSettings:
+    """The embedded task's supervised warm-up (config `arithmetic.warmup_*`, built by
+    `build.warmup_settings`)."""
+
+    steps: int  # at most this many supervised steps; 0: no warm-up
+    batch_size: int
+    learning_rate: float
+    correct_frac: float  # share of targets with the true answer
+    target_accuracy: float  # stop once p(true answer) reaches it
+    response_len: int  # the RL responses' length (rollout.max_new_tokens)
+    max_operand: int  # the task's operand range (arithmetic.max_operand)
+    ops: str  # the task's operators (arithmetic.ops)
+    seed: int = 0
+
+
 def warm_up(graphdef, params, prompt_set: data.PromptDataset, tokenizer,
-            mesh: jax.sharding.Mesh, *, seed: int, response_len: int, max_operand: int,
-            ops: str, steps: int, batch_size: int, learning_rate: float, correct_frac: float,
-            target_accuracy: float):
+            mesh: jax.sharding.Mesh, settings: WarmupSettings):
     """Short supervised warm-up of the embedded arithmetic task, stopped at a target accuracy.
 
     Targets are `Answer: N` with the true N (probability `correct_frac`) or a random one.
@@ -76,22 +91,23 @@ def warm_up(graphdef, params, prompt_set: data.PromptDataset, tokenizer,
     averaged over the batch (= its expected sampling accuracy), reaches `target_accuracy`,
     so RL starts from a weak policy whatever the model size. Returns (params, summary).
     """
-    rng = np.random.default_rng([seed, 7])
+    w = settings
+    rng = np.random.default_rng([w.seed, 7])
     Tp = max(len(p) for p in prompt_set.prompt_ids)
-    tx = optax.adam(learning_rate)
+    tx = optax.adam(w.learning_rate)
     opt_state = optim.init_opt_state(tx, params, mesh)
     step = make_sft_step(graphdef, tx)
     row_sh = sharding.batch_sharding(mesh)
     loss = p_true = float("nan")
     k = 0
-    for k in range(1, steps + 1):
-        idx = rng.integers(len(prompt_set.prompt_ids), size=batch_size)
+    for k in range(1, w.steps + 1):
+        idx = rng.integers(len(prompt_set.prompt_ids), size=w.batch_size)
         truths = [prompt_set.ground_truths[j] for j in idx]
-        texts = arithmetic.warmup_responses(rng, truths, max_operand, ops, correct_frac)
+        texts = arithmetic.warmup_responses(rng, truths, w.max_operand, w.ops, w.correct_frac)
         b = sft_batch([prompt_set.prompt_ids[j] for j in idx], texts, tokenizer, prompt_len=Tp,
-                      response_len=response_len,
+                      response_len=w.response_len,
                       target_B=np.array([t == f"Answer: {g}" for t, g in zip(texts, truths)]))
         params, opt_state, loss, p_true = step(params, opt_state, distributed.put_global(b, row_sh))
-        if float(p_true) >= target_accuracy:
+        if float(p_true) >= w.target_accuracy:
             break
     return params, dict(steps=k, loss=float(loss), p_true=float(p_true))
