@@ -167,11 +167,11 @@ def head_logprobs(head_fn: Callable[[jax.Array], jax.Array], x_BRD: jax.Array,
 
 def sequence_inputs(prompt_tokens_BT, prompt_mask_BT, tokens_BR):
     """Model inputs for `[prompt | response]` minus the last slot, and its positions/mask."""
-    tokens_BS = jnp.concatenate([prompt_tokens_BT, tokens_BR], axis=1)[:, :-1]
-    attn_BS = jnp.concatenate(
+    tokens_BT = jnp.concatenate([prompt_tokens_BT, tokens_BR], axis=1)[:, :-1]
+    attn_BT = jnp.concatenate(
         [prompt_mask_BT, jnp.ones_like(tokens_BR)], axis=1)[:, :-1].astype(jnp.int32)
-    positions_BS = jnp.maximum(jnp.cumsum(attn_BS, axis=1) - 1, 0)
-    return tokens_BS, positions_BS, attn_BS
+    positions_BT = jnp.maximum(jnp.cumsum(attn_BT, axis=1) - 1, 0)
+    return tokens_BT, positions_BT, attn_BT
 
 
 def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
@@ -183,10 +183,10 @@ def policy_logprobs(graphdef, params, batch, *, with_entropy: bool = False):
     """
     model = nnx.merge(graphdef, params)
     Tp = batch["prompt_tokens_BT"].shape[1]
-    tokens_BS, positions_BS, attn_BS = sequence_inputs(
+    tokens_BT, positions_BT, attn_BT = sequence_inputs(
         batch["prompt_tokens_BT"], batch["prompt_mask_BT"], batch["tokens_BR"])
-    x_BSD = model.hidden_states(tokens_BS, positions_BS, attn_BS)
-    return head_logprobs(model.logits, x_BSD[:, Tp - 1:], batch["tokens_BR"],
+    x_BTD = model.hidden_states(tokens_BT, positions_BT, attn_BT)
+    return head_logprobs(model.logits, x_BTD[:, Tp - 1:], batch["tokens_BR"],
                          chunk=model.config.logits_chunk, with_entropy=with_entropy)
 
 

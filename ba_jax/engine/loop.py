@@ -54,22 +54,22 @@ TRACE_COUNTS: Counter = Counter()  # traces per compile key; a test checks calls
 
 @struct.dataclass
 class Slots:
-    """The decode slots (the scheduler's side): S of them, each holding one sample."""
+    """The decode slots (the scheduler's side): Z of them, each holding one sample."""
 
-    sid_S: jax.Array  # int32 [S]: row (of this engine's B) held by the slot, -1 when free
-    t_S: jax.Array  # int32 [S]: index of the token the slot samples next
-    tok_S: jax.Array  # int32 [S]: the slot's last sampled token (decoded next)
-    pages_SW: jax.Array  # int32 [S, W]: the slot's own pages in order; NP where none
-    owed_S: jax.Array  # int32 [S]: pages promised to the slot and not yet taken
+    sid_Z: jax.Array  # int32 [Z]: row (of this engine's B) held by the slot, -1 when free
+    t_Z: jax.Array  # int32 [Z]: index of the token the slot samples next
+    tok_Z: jax.Array  # int32 [Z]: the slot's last sampled token (decoded next)
+    pages_ZW: jax.Array  # int32 [Z, W]: the slot's own pages in order; NP where none
+    owed_Z: jax.Array  # int32 [Z]: pages promised to the slot and not yet taken
 
 
 @struct.dataclass
 class Alloc:
     """The page allocator: a stack of free page ids and the pages promised ahead."""
 
-    free_N: jax.Array  # int32 [NP]: stack of free page ids, free_N[:top] are free
+    free_Y: jax.Array  # int32 [Y = NP]: stack of free page ids, free_Y[:top] are free
     top: jax.Array  # int32 []
-    promised: jax.Array  # int32 []: pages promised (slots' owed_S and the prefill's owed)
+    promised: jax.Array  # int32 []: pages promised (slots' owed_Z and the prefill's owed)
 
 
 @struct.dataclass
@@ -115,7 +115,7 @@ class Counters:
 
 @struct.dataclass
 class EngineState:
-    """Carry of one engine's loop: S slots, B rows, P prompts, NP pages of `page_size`
+    """Carry of one engine's loop: Z slots, B rows, P prompts, NP pages of `page_size`
     tokens (a sample holds at most W pages, a prompt Wq), grouped by concern."""
 
     slots: Slots
@@ -168,7 +168,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
     prefilled prompts; then every busy slot decodes one token."""
     (P, Tp), R = prompt_PT.shape, cs.max_new_tokens
     C = min(int(cs.prefill_chunk), Tp) if cs.prefill_chunk else Tp
-    B, S, ps = row_prompt_B.shape[0], cs.slots_per_device, cs.page_size
+    B, Z, ps = row_prompt_B.shape[0], cs.slots_per_device, cs.page_size
     NP, Gw = cs.pages_per_device, cs.rows_per_prompt
     W, Wq = max(pages_for(R, ps), 1), prompt_pages(Tp, ps)
     X = -(-(Tp + R - 1) // ps)  # pages a slot's table lists: prompt and decoded tokens
@@ -187,10 +187,10 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
     need_B = jnp.where(budget_B >= 2,
                        (tail_P[row_prompt_B] + budget_B - 1 + ps - 1) // ps, 0)
     st = EngineState(
-        slots=Slots(sid_S=jnp.full((S,), -1, jnp.int32), t_S=jnp.zeros((S,), jnp.int32),
-                    tok_S=jnp.zeros((S,), jnp.int32), pages_SW=jnp.full((S, W), NP, jnp.int32),
-                    owed_S=jnp.zeros((S,), jnp.int32)),
-        alloc=Alloc(free_N=jnp.arange(NP, dtype=jnp.int32)[::-1], top=jnp.int32(NP),
+        slots=Slots(sid_Z=jnp.full((Z,), -1, jnp.int32), t_Z=jnp.zeros((Z,), jnp.int32),
+                    tok_Z=jnp.zeros((Z,), jnp.int32), pages_ZW=jnp.full((Z, W), NP, jnp.int32),
+                    owed_Z=jnp.zeros((Z,), jnp.int32)),
+        alloc=Alloc(free_Y=jnp.arange(NP, dtype=jnp.int32)[::-1], top=jnp.int32(NP),
                     promised=jnp.int32(0)),
         prompts=Prompts(
             pages_PQ=jnp.full((P, Wq), NP, jnp.int32), ready_P=jnp.zeros((P,), bool),
@@ -209,15 +209,15 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         """Prompts whose rows have all finished give their pages back."""
         gone_P = st.prompts.ready_P & (st.prompts.left_P == 0)
         give_PQ = gone_P[:, None] & (st.prompts.pages_PQ < NP)
-        free_N, top = paging.push_pages(st.alloc.free_N, st.alloc.top,
+        free_Y, top = paging.push_pages(st.alloc.free_Y, st.alloc.top,
                                         st.prompts.pages_PQ.reshape(-1), give_PQ.reshape(-1))
-        return _set(st, free_N=free_N, top=top,
+        return _set(st, free_Y=free_Y, top=top,
                     pages_PQ=jnp.where(gone_P[:, None], NP, st.prompts.pages_PQ))
 
     def start_prefill(st: EngineState, p, need) -> EngineState:
         """Prompt p: ceil(n / ps) fresh pages for its n real tokens, and a promise of `need`
         pages (the budget of its first pending row) until its last chunk is in."""
-        page_Q, top = paging.pop_pages(st.alloc.free_N, st.alloc.top,
+        page_Q, top = paging.pop_pages(st.alloc.free_Y, st.alloc.top,
                                        jnp.arange(Wq) < qpages_P[p])
         return _set(st, top=top, pages_PQ=st.prompts.pages_PQ.at[p].set(page_Q), pf_p=p,
                     pf_at=jnp.int32(0), pf_owed=need, promised=st.alloc.promised + need)
@@ -279,7 +279,7 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         return release_prompts(st)
 
     def cond(st: EngineState):
-        return jnp.any(st.slots.sid_S >= 0) | jnp.any(~st.prompts.taken_B)
+        return jnp.any(st.slots.sid_Z >= 0) | jnp.any(~st.prompts.taken_B)
 
     def body(st: EngineState) -> EngineState:
         # 1. prefill: with none in progress, start the prompt of the first pending row (in
@@ -298,95 +298,95 @@ def engine_arrays(model, prompt_PT, prompt_mask_PT, row_prompt_B, sid_B, budget_
         # 2. admission: free slots, in slot order, take the next pending rows of ready
         #    prompts whose budgets the unpromised pages cover (a prefix of those rows)
         cand_O = ~st.prompts.taken_B[order_B] & st.prompts.ready_P[prompt_O]
-        free_S = st.slots.sid_S < 0
-        take_O = cand_O & (jnp.cumsum(cand_O) <= jnp.sum(free_S))
+        free_Z = st.slots.sid_Z < 0
+        take_O = cand_O & (jnp.cumsum(cand_O) <= jnp.sum(free_Z))
         unpromised = st.alloc.top - st.alloc.promised
         take_O &= jnp.cumsum(jnp.where(take_O, need_B[order_B], 0)) <= unpromised
-        row_K = jnp.full((S,), B, jnp.int32).at[
-            jnp.where(take_O, jnp.cumsum(take_O) - 1, S)].set(order_B, mode="drop")
-        frank_S = jnp.cumsum(free_S) - 1
-        new_S = jnp.where(free_S, row_K[jnp.clip(frank_S, 0, S - 1)], B)
-        admit_S = new_S < B
-        cand_S = jnp.minimum(new_S, B - 1)
-        sid_S = jnp.where(admit_S, new_S, st.slots.sid_S)
-        t_S = jnp.where(admit_S, 1, st.slots.t_S)
-        tok_S = jnp.where(admit_S, st.out.tokens_BR[cand_S, 0], st.slots.tok_S)
-        owed_S = jnp.where(admit_S, need_B[cand_S], st.slots.owed_S)
-        promised = st.alloc.promised + jnp.sum(jnp.where(admit_S, need_B[cand_S], 0))
-        taken_B = st.prompts.taken_B.at[new_S].set(True, mode="drop")
-        live_S = sid_S >= 0
+        row_Z = jnp.full((Z,), B, jnp.int32).at[
+            jnp.where(take_O, jnp.cumsum(take_O) - 1, Z)].set(order_B, mode="drop")
+        frank_Z = jnp.cumsum(free_Z) - 1
+        new_Z = jnp.where(free_Z, row_Z[jnp.clip(frank_Z, 0, Z - 1)], B)
+        admit_Z = new_Z < B
+        cand_Z = jnp.minimum(new_Z, B - 1)
+        sid_Z = jnp.where(admit_Z, new_Z, st.slots.sid_Z)
+        t_Z = jnp.where(admit_Z, 1, st.slots.t_Z)
+        tok_Z = jnp.where(admit_Z, st.out.tokens_BR[cand_Z, 0], st.slots.tok_Z)
+        owed_Z = jnp.where(admit_Z, need_B[cand_Z], st.slots.owed_Z)
+        promised = st.alloc.promised + jnp.sum(jnp.where(admit_Z, need_B[cand_Z], 0))
+        taken_B = st.prompts.taken_B.at[new_Z].set(True, mode="drop")
+        live_Z = sid_Z >= 0
         # 3. a page for slots whose token (at position v = prompt length + t - 1 of the
         #    sample's run) starts one, or that decode for the first time: their first page
         #    gets a copy of the prompt's partial last page
-        p_S = jnp.where(live_S, row_prompt_B[jnp.maximum(sid_S, 0)], 0)
-        d_S = t_S - 1
-        v_S = len_P[p_S] + d_S
-        full_S = full_P[p_S]
-        own_S = v_S // ps - full_S  # the slot's page that v falls in
-        want_S = live_S & ((v_S % ps == 0) | (d_S == 0))
-        page_S, top = paging.pop_pages(st.alloc.free_N, st.alloc.top, want_S)
-        slot_ix = jnp.arange(S)
-        pages_SW = st.slots.pages_SW.at[slot_ix, jnp.where(want_S, own_S, W)].set(page_S,
+        p_Z = jnp.where(live_Z, row_prompt_B[jnp.maximum(sid_Z, 0)], 0)
+        d_Z = t_Z - 1
+        v_Z = len_P[p_Z] + d_Z
+        full_Z = full_P[p_Z]
+        own_Z = v_Z // ps - full_Z  # the slot's page that v falls in
+        want_Z = live_Z & ((v_Z % ps == 0) | (d_Z == 0))
+        page_Z, top = paging.pop_pages(st.alloc.free_Y, st.alloc.top, want_Z)
+        slot_ix = jnp.arange(Z)
+        pages_ZW = st.slots.pages_ZW.at[slot_ix, jnp.where(want_Z, own_Z, W)].set(page_Z,
                                                                                mode="drop")
-        promised = promised - jnp.sum(want_S)
-        owed_S = owed_S - want_S.astype(jnp.int32)
-        copy_S = want_S & (d_S == 0) & (tail_P[p_S] > 0)
+        promised = promised - jnp.sum(want_Z)
+        owed_Z = owed_Z - want_Z.astype(jnp.int32)
+        copy_Z = want_Z & (d_Z == 0) & (tail_P[p_Z] > 0)
 
         def copy_tails(pool: PagePool) -> PagePool:
             base_L1 = jnp.arange(L)[:, None] * NP
-            src_LS = base_L1 + st.prompts.pages_PQ[p_S, jnp.minimum(full_S, Wq - 1)][None]
-            dst_LS = jnp.where(copy_S[None], base_L1 + page_S[None], L * NP)
-            cp = lambda buf: buf.at[:, dst_LS].set(buf[:, src_LS], mode="drop")
+            src_LZ = base_L1 + st.prompts.pages_PQ[p_Z, jnp.minimum(full_Z, Wq - 1)][None]
+            dst_LZ = jnp.where(copy_Z[None], base_L1 + page_Z[None], L * NP)
+            cp = lambda buf: buf.at[:, dst_LZ].set(buf[:, src_LZ], mode="drop")
             return PagePool(cp(pool.k), cp(pool.v))
 
-        pool = lax.cond(jnp.any(copy_S), copy_tails, lambda pool: pool, st.pool)
+        pool = lax.cond(jnp.any(copy_Z), copy_tails, lambda pool: pool, st.pool)
         # 4. decode the slots' last tokens: each writes its key/value at v, then attends to
         #    its run's first v + 1 tokens (the prompt's full pages, then its own), and
         #    samples its next token
         j_X = jnp.arange(X)
-        table_SX = jnp.where(
-            j_X[None] < full_S[:, None], st.prompts.pages_PQ[p_S][:, jnp.minimum(j_X, Wq - 1)],
-            jnp.take_along_axis(pages_SW, jnp.clip(j_X[None] - full_S[:, None], 0, W - 1), 1))
-        w_page_S = jnp.where(live_S, jnp.take_along_axis(
-            pages_SW, jnp.clip(own_S, 0, W - 1)[:, None], 1)[:, 0], NP)
-        x_S1D, pool = model.forward(
-            jnp.where(live_S, tok_S, pad_id)[:, None], jnp.where(live_S, v_S, 0)[:, None],
-            paging.decode_cache(pool, table_SX, jnp.where(live_S, v_S + 1, 1), w_page_S,
-                                v_S % ps, config=mc, dtype=model.dtype))
-        logits_SV = model.logits(x_S1D)[:, 0]
-        token_S, logp_S, slogp_S = sampling.sample_logits(
-            logits_SV, _sample_keys(key, sid_B[jnp.maximum(sid_S, 0)], t_S), config)
-        row_S = jnp.where(live_S, sid_S, B)  # B: dropped
-        at = lambda buf, v: buf.at[row_S, t_S].set(v.astype(buf.dtype), mode="drop")
-        eos_S = jnp.any(token_S[:, None] == eos_E[None, :], -1)
+        table_ZX = jnp.where(
+            j_X[None] < full_Z[:, None], st.prompts.pages_PQ[p_Z][:, jnp.minimum(j_X, Wq - 1)],
+            jnp.take_along_axis(pages_ZW, jnp.clip(j_X[None] - full_Z[:, None], 0, W - 1), 1))
+        w_page_S = jnp.where(live_Z, jnp.take_along_axis(
+            pages_ZW, jnp.clip(own_Z, 0, W - 1)[:, None], 1)[:, 0], NP)
+        x_Z1D, pool = model.forward(
+            jnp.where(live_Z, tok_Z, pad_id)[:, None], jnp.where(live_Z, v_Z, 0)[:, None],
+            paging.decode_cache(pool, table_ZX, jnp.where(live_Z, v_Z + 1, 1), w_page_S,
+                                v_Z % ps, config=mc, dtype=model.dtype))
+        logits_ZV = model.logits(x_Z1D)[:, 0]
+        token_Z, logp_Z, slogp_Z = sampling.sample_logits(
+            logits_ZV, _sample_keys(key, sid_B[jnp.maximum(sid_Z, 0)], t_Z), config)
+        row_Z = jnp.where(live_Z, sid_Z, B)  # B: dropped
+        at = lambda buf, v: buf.at[row_Z, t_Z].set(v.astype(buf.dtype), mode="drop")
+        eos_Z = jnp.any(token_Z[:, None] == eos_E[None, :], -1)
         # 5. samples that end here free their slot, their pages and their unused promise;
         #    a prompt whose rows have all ended frees its pages
-        end_S = live_S & (eos_S | (t_S + 1 >= budget_B[jnp.maximum(sid_S, 0)]))
-        give_SW = end_S[:, None] & (pages_SW < NP)
-        free_N, top_after = paging.push_pages(st.alloc.free_N, top, pages_SW.reshape(-1),
-                                              give_SW.reshape(-1))
+        end_Z = live_Z & (eos_Z | (t_Z + 1 >= budget_B[jnp.maximum(sid_Z, 0)]))
+        give_ZW = end_Z[:, None] & (pages_ZW < NP)
+        free_Y, top_after = paging.push_pages(st.alloc.free_Y, top, pages_ZW.reshape(-1),
+                                              give_ZW.reshape(-1))
         held = NP - top  # pages held this step, before the ends give theirs back
         held_P = st.prompts.ready_P & (st.prompts.left_P > 0)
-        live = (jnp.sum(jnp.where(live_S, d_S + 1, 0))  # tokens in them: decoded and prompts'
+        live = (jnp.sum(jnp.where(live_Z, d_Z + 1, 0))  # tokens in them: decoded and prompts'
                 + jnp.sum(jnp.where(held_P, len_P, 0))
                 + jnp.where(st.prefill.p >= 0,
                             jnp.minimum(st.prefill.at, len_P[jnp.maximum(st.prefill.p, 0)]),
                             0))
         new_peak = held > st.counters.peak_pages
         st = _set(
-            st, step=st.counters.step + 1, sid_S=jnp.where(end_S, -1, sid_S),
-            t_S=jnp.where(live_S, t_S + 1, t_S), tok_S=jnp.where(live_S, token_S, tok_S),
-            pages_SW=jnp.where(end_S[:, None], NP, pages_SW),
-            owed_S=jnp.where(end_S, 0, owed_S), free_N=free_N, top=top_after,
-            promised=promised - jnp.sum(jnp.where(end_S, owed_S, 0)),
-            left_P=st.prompts.left_P.at[jnp.where(end_S, p_S, P)].add(-1, mode="drop"),
+            st, step=st.counters.step + 1, sid_Z=jnp.where(end_Z, -1, sid_Z),
+            t_Z=jnp.where(live_Z, t_Z + 1, t_Z), tok_Z=jnp.where(live_Z, token_Z, tok_Z),
+            pages_ZW=jnp.where(end_Z[:, None], NP, pages_ZW),
+            owed_Z=jnp.where(end_Z, 0, owed_Z), free_Y=free_Y, top=top_after,
+            promised=promised - jnp.sum(jnp.where(end_Z, owed_Z, 0)),
+            left_P=st.prompts.left_P.at[jnp.where(end_Z, p_Z, P)].add(-1, mode="drop"),
             taken_B=taken_B, pool=pool,
-            tokens_BR=at(st.out.tokens_BR, jnp.where(live_S, token_S, pad_id)),
-            logp_BR=at(st.out.logp_BR, logp_S),
-            sampling_logp_BR=at(st.out.sampling_logp_BR, slogp_S),
-            mask_BR=at(st.out.mask_BR, live_S),
-            done_B=st.out.done_B.at[row_S].set(eos_S, mode="drop"),
-            busy=st.counters.busy + jnp.sum(live_S),
+            tokens_BR=at(st.out.tokens_BR, jnp.where(live_Z, token_Z, pad_id)),
+            logp_BR=at(st.out.logp_BR, logp_Z),
+            sampling_logp_BR=at(st.out.sampling_logp_BR, slogp_Z),
+            mask_BR=at(st.out.mask_BR, live_Z),
+            done_B=st.out.done_B.at[row_Z].set(eos_Z, mode="drop"),
+            busy=st.counters.busy + jnp.sum(live_Z),
             peak_pages=jnp.maximum(st.counters.peak_pages, held),
             live_at_peak=jnp.where(new_peak, live, st.counters.live_at_peak))
         return release_prompts(st)
@@ -408,7 +408,7 @@ def engine_fn(graphdef, cs: CallShape, config, mesh):
 
     With a mesh, every argument but the state, key, EOS ids and pad id is split over the
     mesh's row axes (`sharding.row_axes`): each of the D row devices runs its own engine on
-    its P / D prompt block and B / D rows (its own slots S, pages NP, while loop), under a
+    its P / D prompt block and B / D rows (its own slots Z, pages NP, while loop), under a
     `shard_map` manual over those axes only: no collective inside the loop, and `tensor`
     (if the mesh has one) still splits heads and the MLP by XLA's partitioner. Weights are
     taken as given: hand over a decode copy (`decode_copy`) so none is gathered per call."""

@@ -37,11 +37,11 @@ class PagePool:
         shape = (config.num_kv_heads, config.num_layers * num_pages, page_size, config.head_dim)
         return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    def write(self, page_S, offset_S, k_SKH, v_SKH) -> PagePool:
-        """Keys/values of any batch shape S written at pool page `page_S` (ids out of range
-        are dropped: not written), slot `offset_S`, in one scatter per side."""
-        return PagePool(attention_lib.write_pages(self.k, page_S, offset_S, k_SKH),
-                        attention_lib.write_pages(self.v, page_S, offset_S, v_SKH))
+    def write(self, page_A, offset_A, k_AKH, v_AKH) -> PagePool:
+        """Keys/values of any batch shape A written at pool page `page_A` (ids out of range
+        are dropped: not written), slot `offset_A`, in one scatter per side."""
+        return PagePool(attention_lib.write_pages(self.k, page_A, offset_A, k_AKH),
+                        attention_lib.write_pages(self.v, page_A, offset_A, v_AKH))
 
     def write_tokens(self, table_BQ, pos_BC, valid_BC, k_LBCKH, v_LBCKH) -> PagePool:
         """Every layer's keys/values of the tokens at positions `pos_BC` (those with
@@ -68,21 +68,21 @@ def prompt_pages(prompt_len: int, page_size: int) -> int:
     return -(-int(prompt_len) // page_size)
 
 
-def pop_pages(free_N, top, want_X):
+def pop_pages(free_Y, top, want_X):
     """Pages for the True entries of `want_X`, off the top of the free stack (NP elsewhere)
     -> (page_X, new top)."""
-    NP = free_N.shape[0]
+    NP = free_Y.shape[0]
     rank_X = jnp.cumsum(want_X) - 1
-    page_X = jnp.where(want_X, free_N[jnp.clip(top - 1 - rank_X, 0, NP - 1)], NP)
+    page_X = jnp.where(want_X, free_Y[jnp.clip(top - 1 - rank_X, 0, NP - 1)], NP)
     return page_X, top - jnp.sum(want_X)
 
 
-def push_pages(free_N, top, page_X, give_X):
+def push_pages(free_Y, top, page_X, give_X):
     """The pages of the True entries of `give_X` back onto the free stack -> (stack, top)."""
-    NP = free_N.shape[0]
+    NP = free_Y.shape[0]
     rank_X = jnp.cumsum(give_X) - 1
-    free_N = free_N.at[jnp.where(give_X, top + rank_X, NP)].set(page_X, mode="drop")
-    return free_N, top + jnp.sum(give_X)
+    free_Y = free_Y.at[jnp.where(give_X, top + rank_X, NP)].set(page_X, mode="drop")
+    return free_Y, top + jnp.sum(give_X)
 
 
 def _layer_pages(num_layers: int, num_pages: int):

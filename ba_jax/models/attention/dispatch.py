@@ -4,7 +4,7 @@ This is the only place in ba_jax that asks which backend it runs on: model code 
 implementation (config `model.attention`) and calls `attention`; the rollout engine's paged
 decode asks `paged_impl`. Implementations of `attention`, all with the same semantics:
 
-  xla      materialises the [B, K, R, T, T] float32 scores; plain autodiff. The truth
+  xla      materialises the [B, K, J, T, T] float32 scores; plain autodiff. The truth
            every other implementation is tested against (`reference`).
   chunked  pure JAX flash attention (`flash`): online softmax over key blocks, blocks above
            the causal diagonal skipped. Any backend.

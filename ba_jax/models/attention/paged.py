@@ -17,11 +17,11 @@ from ba_jax.models.attention import paged_kernels
 from ba_jax.models.attention.reference import F32, MASK, Array, decode_attention, masked
 
 
-def write_pages(pool: Array, page_S: Array, offset_S: Array, new_SKH: Array) -> Array:
-    """`pool` [K, pages, page, H] with keys (or values) of any batch shape S written at page
-    `page_S`, slot `offset_S`, in one scatter; page ids out of range are dropped."""
-    new_KSH = jnp.moveaxis(new_SKH, -2, 0).astype(pool.dtype)
-    return pool.at[:, page_S, offset_S].set(new_KSH, mode="drop")
+def write_pages(pool: Array, page_A: Array, offset_A: Array, new_AKH: Array) -> Array:
+    """`pool` [K, pages, page, H] with keys (or values) of any batch shape A written at page
+    `page_A`, slot `offset_A`, in one scatter; page ids out of range are dropped."""
+    new_KAH = jnp.moveaxis(new_AKH, -2, 0).astype(pool.dtype)
+    return pool.at[:, page_A, offset_A].set(new_KAH, mode="drop")
 
 
 def paged_writes_first(impl: str) -> bool:
@@ -104,17 +104,17 @@ def paged_decode_attention(
         valid_BS = jnp.arange(X * ps)[None] < lengths_B[:, None] - 1
         return decode_attention(q_BNH, *new_kv, rows(k_pool), rows(v_pool), valid_BS)
     dt = q_BNH.dtype
-    q_BKRH = q_BNH.reshape(B, K, N // K, H)
-    s_BKRS = (1.0 / math.sqrt(H)) * jnp.einsum("bkrh,bskh->bkrs", q_BKRH,
+    q_BKJH = q_BNH.reshape(B, K, N // K, H)
+    s_BKJS = (1.0 / math.sqrt(H)) * jnp.einsum("bkjh,bskh->bkjs", q_BKJH,
                                                 rows(k_pool).astype(dt),
                                                 preferred_element_type=F32)
     valid_B11S = (jnp.arange(X * ps)[None] < lengths_B[:, None])[:, None, None, :]
-    s_BKRS = jnp.where(valid_B11S, s_BKRS, MASK)
-    m_BKR = s_BKRS.max(-1)
-    p_BKRS = jnp.where(valid_B11S, jnp.exp(s_BKRS - m_BKR[..., None]), 0.0)
-    acc_BKRH = jnp.einsum("bkrs,bskh->bkrh", p_BKRS.astype(dt), rows(v_pool).astype(dt),
+    s_BKJS = jnp.where(valid_B11S, s_BKJS, MASK)
+    m_BKJ = s_BKJS.max(-1)
+    p_BKJS = jnp.where(valid_B11S, jnp.exp(s_BKJS - m_BKJ[..., None]), 0.0)
+    acc_BKJH = jnp.einsum("bkjs,bskh->bkjh", p_BKJS.astype(dt), rows(v_pool).astype(dt),
                           preferred_element_type=F32)
-    return (acc_BKRH / p_BKRS.sum(-1)[..., None]).reshape(B, N, H).astype(dt)
+    return (acc_BKJH / p_BKJS.sum(-1)[..., None]).reshape(B, N, H).astype(dt)
 
 
 def paged_chunk_attention(

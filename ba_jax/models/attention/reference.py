@@ -5,7 +5,7 @@ self-attention, the truth every other implementation is tested against), `decode
 (one new token per row over cached keys plus its own key, optionally a prompt prefix shared
 by its group), and the constants and padding helpers the kernels share. Not here: choosing
 an implementation (`dispatch`), the kernels themselves (`flash`, `cudnn`, `splash`, `paged`).
-Shape letters as in the README; R = query heads per kv head (N = K * R).
+Shape letters as in the README; J = query heads per kv head (N = K * J).
 """
 
 import math
@@ -46,17 +46,17 @@ def masked(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Arra
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     dt = q_BTNH.dtype
-    q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=F32)
-    s_BKRTS = s_BKRTS * (1.0 / math.sqrt(H))
+    q_BTKJH = q_BTNH.reshape(B, T, K, N // K, H)
+    s_BKJTS = jnp.einsum("btkjh,bskh->bkjts", q_BTKJH, k_BSKH, preferred_element_type=F32)
+    s_BKJTS = s_BKJTS * (1.0 / math.sqrt(H))
     mask_B11TS = mask_BTS[:, None, None]
-    s_BKRTS = jnp.where(mask_B11TS, s_BKRTS, MASK)
+    s_BKJTS = jnp.where(mask_B11TS, s_BKJTS, MASK)
     # Rows with no visible key (invalid queries) are uniform over MASK: zero them.
-    p_BKRTS = jnp.where(mask_B11TS, jax.nn.softmax(s_BKRTS, axis=-1), 0.0)
-    o_BTKRH = jnp.einsum(
-        "bkrts,bskh->btkrh", p_BKRTS.astype(dt), v_BSKH, preferred_element_type=F32
+    p_BKJTS = jnp.where(mask_B11TS, jax.nn.softmax(s_BKJTS, axis=-1), 0.0)
+    o_BTKJH = jnp.einsum(
+        "bkjts,bskh->btkjh", p_BKJTS.astype(dt), v_BSKH, preferred_element_type=F32
     )
-    return o_BTKRH.reshape(B, T, N, H).astype(dt)
+    return o_BTKJH.reshape(B, T, N, H).astype(dt)
 
 
 
@@ -82,43 +82,43 @@ def decode_attention(
     K = k_new_BKH.shape[1]
     dt = q_BNH.dtype
     scale = 1.0 / math.sqrt(H)
-    q_BKRH = q_BNH.reshape(B, K, N // K, H)
+    q_BKJH = q_BNH.reshape(B, K, N // K, H)
     k_new_BKH, v_new_BKH = k_new_BKH.astype(dt), v_new_BKH.astype(dt)
 
-    s_BKRS = scale * jnp.einsum(
-        "bkrh,bskh->bkrs", q_BKRH, k_BSKH.astype(dt), preferred_element_type=F32
+    s_BKJS = scale * jnp.einsum(
+        "bkjh,bskh->bkjs", q_BKJH, k_BSKH.astype(dt), preferred_element_type=F32
     )
     own_B11S = valid_BS.astype(bool)[:, None, None, :]
-    s_BKRS = jnp.where(own_B11S, s_BKRS, MASK)
-    s_BKR = scale * jnp.einsum("bkrh,bkh->bkr", q_BKRH, k_new_BKH, preferred_element_type=F32)
-    m_BKR = jnp.maximum(s_BKR, s_BKRS.max(-1, initial=MASK))
+    s_BKJS = jnp.where(own_B11S, s_BKJS, MASK)
+    s_BKJ = scale * jnp.einsum("bkjh,bkh->bkj", q_BKJH, k_new_BKH, preferred_element_type=F32)
+    m_BKJ = jnp.maximum(s_BKJ, s_BKJS.max(-1, initial=MASK))
     if prefix is not None:
         k_PTKH, v_PTKH, valid_PT = prefix
         Pn = k_PTKH.shape[0]
-        q_PGKRH = q_BKRH.reshape(Pn, B // Pn, *q_BKRH.shape[1:])
-        s_PGKRT = scale * jnp.einsum(
-            "pgkrh,ptkh->pgkrt", q_PGKRH, k_PTKH.astype(dt), preferred_element_type=F32
+        q_PGKJH = q_BKJH.reshape(Pn, B // Pn, *q_BKJH.shape[1:])
+        s_PGKJT = scale * jnp.einsum(
+            "pgkjh,ptkh->pgkjt", q_PGKJH, k_PTKH.astype(dt), preferred_element_type=F32
         )
         pre_P111T = valid_PT.astype(bool)[:, None, None, None, :]
-        s_PGKRT = jnp.where(pre_P111T, s_PGKRT, MASK)
-        m_BKR = jnp.maximum(m_BKR, s_PGKRT.max(-1, initial=MASK).reshape(m_BKR.shape))
+        s_PGKJT = jnp.where(pre_P111T, s_PGKJT, MASK)
+        m_BKJ = jnp.maximum(m_BKJ, s_PGKJT.max(-1, initial=MASK).reshape(m_BKJ.shape))
 
     # The new token is always visible, so the sum below is >= exp(0) at the max: no 0/0.
-    p_BKRS = jnp.where(own_B11S, jnp.exp(s_BKRS - m_BKR[..., None]), 0.0)
-    p_BKR = jnp.exp(s_BKR - m_BKR)
-    l_BKR = p_BKRS.sum(-1) + p_BKR
-    acc_BKRH = jnp.einsum(
-        "bkrs,bskh->bkrh", p_BKRS.astype(dt), v_BSKH.astype(dt), preferred_element_type=F32
+    p_BKJS = jnp.where(own_B11S, jnp.exp(s_BKJS - m_BKJ[..., None]), 0.0)
+    p_BKJ = jnp.exp(s_BKJ - m_BKJ)
+    l_BKJ = p_BKJS.sum(-1) + p_BKJ
+    acc_BKJH = jnp.einsum(
+        "bkjs,bskh->bkjh", p_BKJS.astype(dt), v_BSKH.astype(dt), preferred_element_type=F32
     )
     # One bf16 x bf16 product is exact in float32: the same as a dot with f32 accumulation.
-    acc_BKRH += p_BKR.astype(dt).astype(F32)[..., None] * v_new_BKH.astype(F32)[:, :, None]
+    acc_BKJH += p_BKJ.astype(dt).astype(F32)[..., None] * v_new_BKH.astype(F32)[:, :, None]
     if prefix is not None:
-        m_PGKR = m_BKR.reshape(s_PGKRT.shape[:-1])
-        p_PGKRT = jnp.where(pre_P111T, jnp.exp(s_PGKRT - m_PGKR[..., None]), 0.0)
-        l_BKR += p_PGKRT.sum(-1).reshape(l_BKR.shape)
-        acc_PGKRH = jnp.einsum(
-            "pgkrt,ptkh->pgkrh", p_PGKRT.astype(dt), v_PTKH.astype(dt), preferred_element_type=F32
+        m_PGKJ = m_BKJ.reshape(s_PGKJT.shape[:-1])
+        p_PGKJT = jnp.where(pre_P111T, jnp.exp(s_PGKJT - m_PGKJ[..., None]), 0.0)
+        l_BKJ += p_PGKJT.sum(-1).reshape(l_BKJ.shape)
+        acc_PGKJH = jnp.einsum(
+            "pgkjt,ptkh->pgkjh", p_PGKJT.astype(dt), v_PTKH.astype(dt), preferred_element_type=F32
         )
-        acc_BKRH += acc_PGKRH.reshape(acc_BKRH.shape)
-    return (acc_BKRH / l_BKR[..., None]).reshape(B, N, H).astype(dt)
+        acc_BKJH += acc_PGKJH.reshape(acc_BKJH.shape)
+    return (acc_BKJH / l_BKJ[..., None]).reshape(B, N, H).astype(dt)
 
