@@ -30,6 +30,25 @@ from ba_jax.rewards import math as math_rewards
 from ba_jax.rollout import RolloutEngine, SamplingSettings
 
 
+# The update batch's arrays and dtypes: what `collect` hands the trainer, what the train step
+# takes, what the planner compiles it with (`batch_schema`).
+BATCH_DTYPES = dict(prompt_tokens_BT=np.int32, prompt_mask_BT=np.int32, tokens_BR=np.int32,
+                    mask_BR=np.float32, old_logp_BR=np.float32, adv_B=np.float32,
+                    group_id_B=np.int32, ref_logp_BR=np.float32)
+
+
+def batch_schema(rows: int, prompt_len: int, response_len: int, *,
+                 with_ref: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The update batch of `rows` rows: name -> (shape, dtype). `ref_logp_BR` (the frozen
+    reference's log-probs) is the trainer's, added when the loss has a KL term."""
+    B, Tp, R = rows, prompt_len, response_len
+    shapes = dict(prompt_tokens_BT=(B, Tp), prompt_mask_BT=(B, Tp), tokens_BR=(B, R),
+                  mask_BR=(B, R), old_logp_BR=(B, R), adv_B=(B,), group_id_B=(B,))
+    if with_ref:
+        shapes["ref_logp_BR"] = (B, R)
+    return {k: (s, np.dtype(BATCH_DTYPES[k])) for k, s in shapes.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperienceSettings:
     """How a step's experience is gathered (config `rollout.*`, `grpo.*` in brackets)."""
@@ -189,15 +208,11 @@ def collect(
     local_id_B = np.repeat(np.arange(len(shards) * Pg, dtype=np.int32), G)
     adv_B = np.asarray(grpo.group_advantages(reward_B, local_id_B, len(shards) * Pg,
                                              estimator=settings.advantage))
-    batch = dict(
-        prompt_tokens_BT=rows["prompt_tokens_BT"].astype(np.int32),
-        prompt_mask_BT=rows["prompt_mask_BT"].astype(np.int32),
-        tokens_BR=rows["tokens_BR"].astype(np.int32),
-        mask_BR=rows["mask_BR"].astype(np.float32),
-        old_logp_BR=rows["old_logp_BR"].astype(np.float32),
-        adv_B=adv_B.astype(np.float32),
-        group_id_B=group_id_B,
-    )
+    batch = dict(prompt_tokens_BT=rows["prompt_tokens_BT"],
+                 prompt_mask_BT=rows["prompt_mask_BT"], tokens_BR=rows["tokens_BR"],
+                 mask_BR=rows["mask_BR"],
+                 old_logp_BR=rows["old_logp_BR"], adv_B=adv_B, group_id_B=group_id_B)
+    batch = {k: np.asarray(v, BATCH_DTYPES[k]) for k, v in batch.items()}
     first = {k: np.concatenate([f[k] for f in firsts]) for k in ("reward_B", "correct_B", "lengths_B", "eos_B")}
     return Experience(batch=batch, first_round=first, final=dict(reward_B=reward_B, adv_B=adv_B),
                       timing=timing)

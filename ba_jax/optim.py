@@ -47,12 +47,18 @@ def make_optimizer(*, learning_rate: float, schedule: str, warmup_steps: int,
     return tx, lr
 
 
-def init_opt_state(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
-    """Optimizer state created in place: each moment shares its parameter's sharding
-    (so FSDP shards AdamW's mu/nu too), everything else (counts) is replicated."""
+def opt_state_shardings(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
+    """The optimizer state's shardings for `params` (arrays, or `jax.ShapeDtypeStruct`s with
+    shardings: the planner's): each moment shares its parameter's sharding (so FSDP shards
+    AdamW's mu/nu too), everything else (counts) is replicated. The one rule: the trainer's
+    `init_opt_state` and the planner's abstract state both use it."""
     abstract = jax.eval_shape(tx.init, params)
     rep = NamedSharding(mesh, PS())
-    shardings = optax.tree_map_params(
+    return optax.tree_map_params(
         tx, lambda _, p: p.sharding, abstract, params, transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def init_opt_state(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
+    """Optimizer state created in place, laid out by `opt_state_shardings`."""
+    return jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))(params)

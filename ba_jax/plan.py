@@ -21,26 +21,47 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import numpy as np
-import optax
 
-from ba_jax import sampling
+from ba_jax import experience, optim, sampling
 from ba_jax.engine import loop as engine_loop
 from ba_jax.engine import paging
 from ba_jax.engine import shapes as engine_shapes
-from ba_jax.plan_model import (COEF_TERMS, FIXED_COEF, SAMPLE_COEF, TRAIN_COEF,  # noqa: F401
-                               _per_dev, _tp, activation_estimate, exact_temp_bytes,
-                               memory_features)  # noqa: I001
+from ba_jax.plan_model import (COEF_TERMS, DEVICES, FIXED_COEF, GIB,  # noqa: F401
+                               SAMPLE_COEF, TRAIN_COEF, _per_dev, _tp, activation_estimate,
+                               exact_temp_bytes, memory_features)  # noqa: I001
+from ba_jax.plan_report import format_compiled, format_plan
 from ba_jax.rollout import prompt_bucket
 
-GIB = 1024**3
-# HBM per chip / GPU, GiB (TPU: per chip as Cloud TPU documents it; GPU: the SKU's size).
-DEVICES: dict[str, float] = {
-    "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100-80g": 80, "h100": 80, "h200": 141,
-}
+
+
+class MemoryPlan(TypedDict):
+    """What `plan` returns (a dict, as `--json` prints it): the run's shapes and per-device
+    bytes of each part, the activation estimate's terms, the fit per named device."""
+
+    num_devices: int
+    mesh: dict[str, int]  # data, fsdp, tensor
+    model: Any  # the ModelConfig
+    param_count: int
+    param_dtype: str
+    compute_dtype: str
+    itemsize: int  # bytes per element of the compute dtype
+    rows: int  # a mini-batch's rows
+    microbatch_rows_per_device: int
+    seq_len: int  # T: prompt bucket + R - 1
+    prompt_bucket: int
+    use_remat: bool
+    usable_fraction: float
+    warnings: list[str]
+    shapes: dict[str, Any]  # what the activation terms are computed from
+    global_bytes: dict[str, int]  # params, optimizer over the whole mesh
+    bytes: dict[str, int]  # per device: params ... train_peak, sample_call, sample_peak, peak
+    terms: dict[str, dict[str, int]]  # the train and sample estimates' terms
+    fits: dict[str, bool]  # per name of DEVICES
+    slots_that_fit: dict[str, int]  # the largest rollout.num_slots per device name
 # Share of HBM a plan may use: the rest is XLA's scratch, fragmentation and the programs.
 USABLE_FRACTION = 0.9
 
@@ -106,7 +127,7 @@ def abstract_policy(cfg: Any):
         lambda: qwen.Qwen(mc, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdtype)))
 
 
-def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION) -> dict:
+def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION) -> MemoryPlan:
     """Per-device bytes of a run of `cfg` on `num_devices` and the fit per named device."""
     from ba_jax import build, run_config
 
@@ -177,8 +198,7 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     p["terms"] = dict(train=act[remat], sample=samp)
     p["fits"] = {name: peak <= usable_fraction * gib * GIB for name, gib in DEVICES.items()}
     p["slots_that_fit"] = slots_that_fit(p, samp)
-
-    return p
+    return MemoryPlan(**p)
 
 
 def slots_that_fit(p: dict, samp: dict) -> dict[str, int]:
@@ -250,22 +270,17 @@ def abstract_train_inputs(cfg: Any, mesh):
     params = jax.tree.map(_sds, params, sharding.param_shardings(params, mesh))
     tx, _ = build.make_optimizer(cfg)
     rep = NamedSharding(mesh, PartitionSpec())
+    # the optimizer's own layout rule (`optim.opt_state_shardings`, what init_opt_state uses)
     opt = jax.eval_shape(tx.init, params)
-    opt_sh = optax.tree_map_params(
-        tx, lambda _, p: p.sharding, opt, params, transform_non_params=lambda _: rep,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    state = dict(params=params, opt_state=jax.tree.map(_sds, opt, opt_sh),
+    state = dict(params=params,
+                 opt_state=jax.tree.map(_sds, opt, optim.opt_state_shardings(tx, params, mesh)),
                  step=jax.ShapeDtypeStruct((), np.int32, sharding=rep))
-    B = train_rows(cfg)
-    Tp, R = prompt_bucket(cfg.data.max_prompt_tokens), cfg.rollout.max_new_tokens
+    # the trainer's batch schema (`experience.batch_schema`)
+    schema = experience.batch_schema(train_rows(cfg), prompt_bucket(cfg.data.max_prompt_tokens),
+                                     cfg.rollout.max_new_tokens,
+                                     with_ref=cfg.grpo.kl_kind != "none")
     row = sharding.batch_sharding(mesh)
-    i32, f32 = np.int32, np.float32
-    shapes = dict(prompt_tokens_BT=((B, Tp), i32), prompt_mask_BT=((B, Tp), i32),
-                  tokens_BR=((B, R), i32), mask_BR=((B, R), f32), old_logp_BR=((B, R), f32),
-                  adv_B=((B,), f32), group_id_B=((B,), i32))
-    if cfg.grpo.kl_kind != "none":
-        shapes["ref_logp_BR"] = ((B, R), f32)
-    batch = {k: jax.ShapeDtypeStruct(s, d, sharding=row) for k, (s, d) in shapes.items()}
+    batch = {k: jax.ShapeDtypeStruct(s, d, sharding=row) for k, (s, d) in schema.items()}
     return graphdef, tx, state, batch
 
 
@@ -366,64 +381,6 @@ def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTIO
             if p["fits"][device]:
                 return dict(num_devices=n, num_microbatches=k, plan=p)
     return dict(num_devices=None, num_microbatches=None, plan=None)
-
-
-def format_plan(p: dict, device: str | None = None) -> str:
-    """Human-readable report of `plan(...)`; `device` restricts the verdict to one name."""
-    g = lambda n: f"{n / GIB:9.2f} GiB"
-    b, m = p["bytes"], p["mesh"]
-    lines = [
-        f"model: {p['param_count']:,} parameters ({p['param_dtype']} storage, "
-        f"{p['compute_dtype']} compute), remat {'on' if p['use_remat'] else 'off'}",
-        f"mesh: {p['num_devices']} devices = data {m['data']} x fsdp {m['fsdp']} x tensor "
-        f"{m['tensor']}",
-        f"batch: {p['rows']} rows per optimizer step, {p['microbatch_rows_per_device']} per "
-        f"device per micro-batch, sequence {p['seq_len']} (prompt bucket {p['prompt_bucket']})",
-        "per device:",
-        f"  parameters              {g(b['params'])}",
-        f"  gradients               {g(b['grads'])}",
-        f"  grad accumulator (f32)  {g(b['grad_accumulator'])}",
-        f"  optimizer state         {g(b['optimizer'])}",
-        f"  activations, remat      {g(b['activations_remat'])}   (estimate)",
-        f"  activations, no remat   {g(b['activations_no_remat'])}   (estimate)",
-        f"    of which logits       {g(b['logits'])}",
-        f"    scores of one layer   {g(b['attention_scores_per_layer'])}",
-        f"  sampler weights         {g(b['decode_weights'])}   ({p['compute_dtype']} copy, "
-        "whole on each row device)",
-        f"  sampler KV cache        {g(b['kv_cache'])}" + (
-            f"   ({p['shapes']['slots_per_device']} slots, "
-            f"{p['shapes']['pages_per_device']} pages per device)"
-            if "slots_per_device" in p["shapes"] else "   (static sampler)"),
-        f"  sampler transient       {g(b['sampler_transient'])}   (estimate)",
-        f"  peak, train step        {g(b['train_peak'])}",
-        f"  peak, sampling          {g(b['sample_peak'])}",
-        f"  peak                    {g(b['peak'])}",
-    ]
-    if p["slots_that_fit"]:
-        fit = p["slots_that_fit"]
-        lines.append("largest rollout.num_slots whose sampling peak fits (per call, kv_pages=0): "
-                     + ", ".join(f"{n} {fit[n]}" for n in ([device] if device else fit)))
-    lines += [f"warning: {w}" for w in p["warnings"]]
-    names = [device] if device else list(DEVICES)
-    lines.append(f"fit (peak <= {p['usable_fraction']:.0%} of HBM):")
-    for name in names:
-        cap = DEVICES[name] * GIB
-        verdict = "fits" if p["fits"][name] else "does NOT fit"
-        lines.append(f"  {name:9s} {DEVICES[name]:5.0f} GiB  {verdict:12s} "
-                     f"({b['peak'] / cap:6.1%} of HBM)")
-    return "\n".join(lines) + "\n"
-
-
-def format_compiled(out: dict, num_devices: int, platform: str) -> str:
-    """Human-readable report of `compiled_memory(...)` compiled on `platform` devices."""
-    g = lambda n: f"{n / GIB:8.2f} GiB"
-    lines = [f"compiled on {num_devices} {platform} devices, per device:"]
-    for name, m in out.items():
-        lines.append(f"  {name:6s} argument {g(m['argument_bytes'])}  output {g(m['output_bytes'])}"
-                     f" (aliased {g(m['alias_bytes'])})  temp {g(m['temp_bytes'])}")
-        lines.append(f"         peak     {g(m['peak_bytes'])}  planned {g(m['planned_bytes'])}"
-                     f"  planned / compiled {m['planned_bytes'] / max(m['peak_bytes'], 1):.2f}")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv) -> None:

@@ -1,13 +1,20 @@
 """The planner's analytic memory model: per-device activation bytes from the shapes of a run.
 
-Lives here: the terms of the estimate (`memory_features`), their fitted coefficients
-(`TRAIN_COEF`, `SAMPLE_COEF`, `FIXED_COEF`: least squares on XLA's compiled temp bytes,
-`benchmarks/memory.py --calibrate`), `activation_estimate` and `exact_temp_bytes`. Not here:
+Lives here: the devices a plan is checked against (`DEVICES`, HBM in GiB), the terms of the
+estimate (`memory_features`), their fitted coefficients (`TRAIN_COEF`, `SAMPLE_COEF`,
+`FIXED_COEF`: least squares on XLA's compiled temp bytes, `benchmarks/memory.py
+--calibrate`), `activation_estimate` and `exact_temp_bytes`. Not here:
 reading a config and adding up a plan (`plan.py`), compiling the real programs (`plan.py`'s
 `compiled_memory`).
 """
 
 from __future__ import annotations
+
+GIB = 1024**3
+# HBM per chip / GPU, GiB (TPU: per chip as Cloud TPU documents it; GPU: the SKU's size).
+DEVICES: dict[str, float] = {
+    "v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100-80g": 80, "h100": 80, "h200": 141,
+}
 
 
 def _tp(n: int, tensor: int) -> float:
