@@ -2,9 +2,10 @@
 
 What lives here: the mesh, the tokenizer, the prompt set, the policy's initial parameters
 (random, Hugging Face folder, or converted Orbax checkpoint), the optimizer, the typed
-settings library code takes (loss, sampling, engine, experience) and the rollout engine
-(`make_rollout_engine`: the one reader of `rollout.engine`), each read from the config and
-handed on as typed values. What does not: reading and checking the
+settings library code takes (loss, sampling, engine, experience, warm-up), the rollout
+engine (`make_rollout_engine`: the one reader of `rollout.engine`) and a model to evaluate
+from any checkpoint layout (`load_model`), each read from the config and handed on as
+typed values. What does not: reading and checking the
 config (run_config.py), the optimizer and schedule themselves (optim.py), the update
 (train.py) or the host side of an iteration (experience.py).
 """
@@ -19,7 +20,7 @@ import jax
 import optax
 from flax import nnx
 
-from ba_jax import data, distributed, experience, grpo, optim, run_config, sharding
+from ba_jax import checkpoint, data, distributed, experience, grpo, optim, run_config, sharding
 from ba_jax.models import convert_hf, qwen
 from ba_jax.rollout import EngineSettings, RolloutEngine, SamplingSettings, prompt_bucket
 from ba_jax.tasks import arithmetic, warmup
@@ -124,6 +125,69 @@ def init_policy(cfg: Any, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.St
     shardings = sharding.param_shardings(abstract, mesh)
     params = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
     return graphdef, params
+
+
+# ---------------------------------------------------------------- a model to evaluate
+
+
+def detect_checkpoint(path: str) -> tuple[str, str]:
+    """(kind, folder): "hf", "converted" (convert_hf output) or "trainer" (its Orbax folder)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} is not a folder")
+    names = set(os.listdir(path))
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        return "hf", path
+    if "model_config.json" in names and "params" in names:
+        return "converted", path
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # a trainer WORKDIR
+        path = os.path.join(path, "checkpoints")
+        names = set(os.listdir(path))
+    if any(n.isdigit() and os.path.isdir(os.path.join(path, n)) for n in names):
+        return "trainer", path
+    raise ValueError(
+        f"{path!r} holds no checkpoint: expected a Hugging Face folder (config.json + "
+        "*.safetensors), a convert_hf output (model_config.json + params/), or a trainer "
+        "WORKDIR or WORKDIR/checkpoints (Orbax step folders)")
+
+
+def load_model(cfg: Any, path: str, *, step: int | None = None,
+               mesh=None) -> tuple[Any, Any, dict]:
+    """(model, tokenizer, info) of any checkpoint layout; info: kind, path, step, workdir.
+
+    A trainer checkpoint is read with `cfg`'s model (its initial policy gives the shapes)
+    on `mesh` (default: the config's mesh over all devices); only its parameters are read.
+    """
+    kind, folder = detect_checkpoint(path)
+    info = {"kind": kind, "path": os.path.abspath(folder), "step": None}
+    # compute in the run's dtype, master weights in its parameter dtype (as the trainer)
+    dtype = run_config.DTYPES[cfg.model.dtype]
+    param_dtype = run_config.DTYPES[cfg.model.param_dtype]
+    if kind == "trainer":
+        try:
+            mesh = make_mesh(cfg) if mesh is None else mesh
+            graphdef, target = init_policy(cfg, mesh)
+            params, info["step"] = checkpoint.load_params(folder, target, step=step)
+        except checkpoint.NoSuchStep:
+            raise
+        except checkpoint.CheckpointError as e:
+            raise checkpoint.CheckpointError(
+                f"{str(e).split('. It comes from')[0]}: a trainer checkpoint is read with "
+                "--config's model; pass the config the run was trained with (same variant and "
+                "overrides)") from e
+        model = nnx.merge(graphdef, params)
+        info["workdir"] = os.path.dirname(os.path.abspath(folder))
+        tokenizer = load_tokenizer(cfg, info["workdir"])  # honours config.tokenizer_path
+    else:
+        if kind == "hf":
+            model = convert_hf.load_hf(folder, dtype=dtype, mesh=mesh, param_dtype=param_dtype)
+        else:
+            model = convert_hf.load_checkpoint(folder, dtype=dtype, mesh=mesh,
+                                               param_dtype=param_dtype)
+        try:
+            tokenizer = convert_hf.load_tokenizer(cfg.tokenizer_path or folder)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e}; set --config.tokenizer_path") from None
+    return model, tokenizer, info
 
 
 def make_optimizer(cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -88,7 +88,7 @@ def local_mesh(mesh: Mesh) -> Mesh:
 
 
 def to_local(tree, mesh: Mesh):
-    """Arrays of `tree`, whole over the row axes of their global mesh (`engine.decode_copy`),
+    """Arrays of `tree`, whole over the row axes of their global mesh (`engine.call.decode_copy`),
     as arrays on this process's `mesh` (`local_mesh`) with the same spec: each local device
     keeps the shard it already holds, nothing moves. With one process: `tree` itself."""
     if jax.process_count() == 1:

@@ -224,67 +224,18 @@ def evaluate_benchmark(bench: Benchmark, samples: Samples, *, settings: EvalSett
 
 
 def detect_checkpoint(path: str) -> tuple[str, str]:
-    """(kind, folder): "hf", "converted" (convert_hf output) or "trainer" (its Orbax folder)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path!r} is not a folder")
-    names = set(os.listdir(path))
-    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
-        return "hf", path
-    if "model_config.json" in names and "params" in names:
-        return "converted", path
-    if os.path.isdir(os.path.join(path, "checkpoints")):  # a trainer WORKDIR
-        path = os.path.join(path, "checkpoints")
-        names = set(os.listdir(path))
-    if any(n.isdigit() and os.path.isdir(os.path.join(path, n)) for n in names):
-        return "trainer", path
-    raise ValueError(
-        f"{path!r} holds no checkpoint: expected a Hugging Face folder (config.json + "
-        "*.safetensors), a convert_hf output (model_config.json + params/), or a trainer "
-        "WORKDIR or WORKDIR/checkpoints (Orbax step folders)")
+    """(kind, folder) of a checkpoint path: `build.detect_checkpoint`."""
+    from ba_jax import build
+
+    return build.detect_checkpoint(path)
 
 
 def load_model(cfg, path: str, *, step: int | None = None, mesh=None) -> tuple[Any, Any, dict]:
-    """(model, tokenizer, info) of any checkpoint layout; info: kind, path, step, workdir.
+    """(model, tokenizer, info) of any checkpoint layout, read with `cfg`'s model and dtypes:
+    `build.load_model` (the config is read there, as for the trainer's policy)."""
+    from ba_jax import build
 
-    A trainer checkpoint is read with `cfg`'s model (its initial policy gives the shapes)
-    on `mesh` (default: the config's mesh over all devices); only its parameters are read.
-    """
-    from flax import nnx
-
-    from ba_jax import build, checkpoint, run_config
-    from ba_jax.models import convert_hf
-
-    kind, folder = detect_checkpoint(path)
-    info = {"kind": kind, "path": os.path.abspath(folder), "step": None}
-    # compute in the run's dtype, master weights in its parameter dtype (as the trainer)
-    dtype = run_config.DTYPES[cfg.model.dtype]
-    param_dtype = run_config.DTYPES[cfg.model.param_dtype]
-    if kind == "trainer":
-        try:
-            mesh = build.make_mesh(cfg) if mesh is None else mesh
-            graphdef, target = build.init_policy(cfg, mesh)
-            params, info["step"] = checkpoint.load_params(folder, target, step=step)
-        except checkpoint.NoSuchStep:
-            raise
-        except checkpoint.CheckpointError as e:
-            raise checkpoint.CheckpointError(
-                f"{str(e).split('. It comes from')[0]}: a trainer checkpoint is read with "
-                "--config's model; pass the config the run was trained with (same variant and "
-                "overrides)") from e
-        model = nnx.merge(graphdef, params)
-        info["workdir"] = os.path.dirname(os.path.abspath(folder))
-        tokenizer = build.load_tokenizer(cfg, info["workdir"])  # honours config.tokenizer_path
-    else:
-        if kind == "hf":
-            model = convert_hf.load_hf(folder, dtype=dtype, mesh=mesh, param_dtype=param_dtype)
-        else:
-            model = convert_hf.load_checkpoint(folder, dtype=dtype, mesh=mesh,
-                                               param_dtype=param_dtype)
-        try:
-            tokenizer = convert_hf.load_tokenizer(cfg.tokenizer_path or folder)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"{e}; set --config.tokenizer_path") from None
-    return model, tokenizer, info
+    return build.load_model(cfg, path, step=step, mesh=mesh)
 
 
 # ------------------------------------------------------------------------------ run

@@ -278,11 +278,11 @@ def update(upd: Updater, state, batch: dict[str, np.ndarray]):
     return state, metrics
 
 
-def prepare_policy(cfg, graphdef, state, prompt_set, tokenizer, mesh, tx) -> dict:
+def prepare_policy(w: warmup.WarmupSettings | None, graphdef, state, prompt_set, tokenizer,
+                   mesh, tx) -> dict:
     """What runs once before the first RL step of a fresh run: the embedded task's
-    supervised format warm-up (`tasks.warmup`, config `arithmetic.warmup_*`), which gives a
-    fresh train state; other tasks start RL from the initial policy as it is."""
-    w = build.warmup_settings(cfg)
+    supervised format warm-up (`tasks.warmup`, `build.warmup_settings`), which gives a fresh
+    train state; without one (other tasks), RL starts from the initial policy as it is."""
     if w is None:
         return state
     params, out = warmup.warm_up(graphdef, state["params"], prompt_set, tokenizer, mesh, w)
@@ -329,7 +329,8 @@ def _run(cfg, workdir: str, devices: list) -> str:
         print(f"resumed from {ckpt.directory} at step {start}")
     else:
         start = 0
-        state = prepare_policy(cfg, graphdef, state, prompt_set, tokenizer, mesh, tx)
+        state = prepare_policy(build.warmup_settings(cfg), graphdef, state, prompt_set,
+                               tokenizer, mesh, tx)
         _save(ckpt, 0, state, iterator, cfg)
     summary = (f"metrics {workdir}/metrics.jsonl, plots {os.path.join(workdir, 'plots')}, "
                f"checkpoint {ckpt.directory}")
