@@ -7,14 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from scipy import stats
 
 from ba_jax import engine, grpo, sampler
 from ba_jax.models import convert_hf, qwen
 from ba_jax.sharding import make_mesh
-from helpers_hf import make_tiny_hf
+from helpers_hf import make_tiny_hf, needs_torch
 
 PROMPTS = [[5, 17, 3], [9, 4, 22, 61, 7, 80, 12, 33, 41], list(range(30, 50))]  # buckets 16, 32
 
@@ -46,6 +45,8 @@ GREEDY_KW = dict(num_samples=4, max_new_tokens=12, temperature=0.0, pad_id=0)  #
 
 
 def _hf_greedy(path: str, prompts, max_new_tokens: int, eos: int, pad: int) -> np.ndarray:
+    """transformers' greedy tokens (the test calling it is skipped without torch)."""
+    torch = needs_torch()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
