@@ -24,6 +24,14 @@ What moved between those releases, and what ba_jax does about it:
   among them, need concrete devices to lower at all): for checking such code by lowering,
   `host_lowers_as_gpu` has jax's Triton lowering take this host's device kind for the GPU's
   (jax's private GPU-info registry; a no-op on jax <= 0.10). Tests only.
+* transformers 5.x logs "PyTorch was not found. Models won't be available ..." when it is
+  imported without torch (the newest end installs none, nor does a TPU VM): ba_jax uses
+  transformers for tokenizers and configs only, so `quiet_transformers_without_torch` (called
+  when ba_jax is imported) drops that one line, which would otherwise precede every command's
+  output and its one-line errors.
+
+This module imports jax inside its functions only: importing ba_jax must not need jax (the
+vLLM engine's own environment imports ba_jax.vllm_worker without it).
 """
 
 from __future__ import annotations
@@ -31,10 +39,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import logging
 from collections.abc import Callable, Iterator
 from unittest import mock
-
-import jax
 
 # The NVIDIA data-center GPU ba_jax is checked for when none is present (Hopper, compute
 # capability 9.0: what jax <= 0.10 assumed for a GPU-less lowering too).
@@ -64,6 +71,8 @@ def gpu_paged_kernel() -> Callable | None:
 def abstract_gpu_mesh(mesh=None, device_kind: str = DEFAULT_GPU_KIND):
     """An `AbstractMesh` with `mesh`'s axes (none: a mesh of no axes) whose devices are GPUs of
     `device_kind`: the target of a lowering for `cuda` made on a host without one."""
+    import jax
+
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
                                          platform="gpu")
     if mesh is None:
@@ -80,6 +89,8 @@ def abstract_gpu(mesh=None, device_kind: str = DEFAULT_GPU_KIND) -> Iterator:
     ignores it). `mesh`: the mesh the traced code splits over (code that reads
     `jax.sharding.get_abstract_mesh()` sees its axes); None: no mesh. Yields the abstract mesh.
     Only for lowering: nothing can run on it."""
+    import jax
+
     abstract = abstract_gpu_mesh(mesh, device_kind)
     with jax.sharding.use_abstract_mesh(abstract):
         yield abstract
@@ -90,6 +101,8 @@ def host_lowers_as_gpu(device_kind: str = DEFAULT_GPU_KIND) -> Iterator[None]:
     """Within it, Pallas Triton kernels traced on this host's (CPU) devices, a concrete mesh of
     them included, lower for `cuda` as for a `device_kind` GPU. For lowering checks (tests)
     only: prefer `abstract_gpu` wherever the code takes the mesh from the context."""
+    import jax
+
     try:  # jax >= 0.11: the target comes from the device kind, looked up here
         from jax._src.pallas.triton import gpu_info
     except ImportError:  # jax <= 0.10 targets compute capability 9.0 without a GPU
@@ -102,3 +115,20 @@ def host_lowers_as_gpu(device_kind: str = DEFAULT_GPU_KIND) -> Iterator[None]:
     kinds = {d.device_kind for d in jax.devices()}
     with mock.patch.dict(gpu_info.registry, {k: (lambda: info) for k in kinds}):
         yield
+
+
+_NO_TORCH_ADVICE = "PyTorch was not found."
+
+
+class _NoTorchAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NO_TORCH_ADVICE)
+
+
+def quiet_transformers_without_torch() -> None:
+    """Drop transformers' "PyTorch was not found ..." line (logged by its "transformers" logger
+    when it is imported without torch); nothing else it logs. Call before transformers is
+    imported; calling again adds nothing."""
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())

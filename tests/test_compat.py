@@ -125,3 +125,30 @@ def test_a_triton_kernel_in_a_shard_map_over_this_hosts_mesh_lowers_under_host_l
     with compat.host_lowers_as_gpu():
         text = jax.jit(f).trace(*_abstract_args()).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "sdy.manual_computation" in text
+
+
+def test_transformers_no_torch_line_is_dropped_and_nothing_else():
+    import logging
+
+    compat.quiet_transformers_without_torch()
+    compat.quiet_transformers_without_torch()  # idempotent
+    logger = logging.getLogger("transformers")
+    assert sum(isinstance(f, compat._NoTorchAdvice) for f in logger.filters) == 1
+
+    def kept(msg):
+        return logger.filter(logging.LogRecord("transformers", logging.WARNING, __file__, 1,
+                                               msg, None, None))
+
+    assert not kept("PyTorch was not found. Models won't be available and only tokenizers, "
+                    "configuration and file/data utilities can be used.")
+    assert kept("some other advice")
+
+
+def test_importing_ba_jax_needs_no_jax():
+    """The vLLM engine's environment imports ba_jax (vllm_worker) without jax."""
+    import subprocess
+    import sys
+
+    code = "import sys, ba_jax, ba_jax.compat; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
