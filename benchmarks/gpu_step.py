@@ -27,6 +27,12 @@ values and gradients, bf16, GQA, a left-padded row, T = 1,024; it prints the lar
 differences relative to the reference's scale (bf16 resolution is ~4e-3); then the engine's
 paged decode attention, the Triton kernel against the gather path (`check_paged`).
 
+Stages run in this order, each printed as soon as it ends: versions and devices, the seam
+check, the paged decode check, the train step, the sampler, then the train step's compiled
+memory (one more compile). `--out DIR` also writes `DIR/gpu_step.json` and `DIR/gpu_step.md`
+after every stage (so a run cut off by its time slot still leaves what it measured);
+`benchmarks/device_check.sh` runs this on an air-gapped GPU image (docs/benchmarks.md, GPU).
+
 Without an NVIDIA GPU it prints a message and exits 0. `--force_cpu --preset=""` runs the
 code path on CPU with the tiny default model (for checking the script, not for numbers).
 """
@@ -34,8 +40,11 @@ code path on CPU with the tiny default model (for checking the script, not for n
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
+import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -58,6 +67,59 @@ def peak_tflops(device_kind: str) -> float | None:
 
 def _pct(x: float) -> str:
     return "n/a (unknown peak: pass --peak_tflops)" if np.isnan(x) else f"{x:.1%}"
+
+
+class Results:
+    """What the run measured so far, by stage; with an output folder, rewritten (JSON and
+    markdown) after every stage, so a run cut off by its time slot still leaves a summary."""
+
+    def __init__(self, out_dir: str | None):
+        self.out_dir = out_dir
+        self.data: dict = {"complete": False, "stages": {}}
+        self.t0 = time.perf_counter()
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+
+    def record(self, stage: str, line: str | None = None, **values) -> None:
+        if line is not None:
+            print(line, flush=True)
+            values["line"] = line
+        values["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.data["stages"].setdefault(stage, {}).update(values)
+        self.write()
+
+    def write(self) -> None:
+        if not self.out_dir:
+            return
+        for name, text in (("gpu_step.json", json.dumps(self.data, indent=1, default=str)),
+                           ("gpu_step.md", self.markdown())):
+            tmp = os.path.join(self.out_dir, name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(text + "\n")
+            os.replace(tmp, os.path.join(self.out_dir, name))
+
+    def markdown(self) -> str:
+        rows = ["# benchmarks/gpu_step.py", "",
+                "complete" if self.data["complete"] else
+                "**incomplete**: the run stopped before its last stage (time slot or error)", "",
+                "| stage | seconds from start | result |", "|---|---:|---|"]
+        for stage, v in self.data["stages"].items():
+            text = v.get("line") or ", ".join(f"{k} {x}" for k, x in v.items()
+                                              if k not in ("elapsed_s", "line"))
+            rows.append(f"| {stage} | {v['elapsed_s']} | {text.replace('|', '/')} |")
+        return "\n".join(rows)
+
+
+def versions() -> dict[str, str]:
+    """Python and the installed versions of the packages the run depends on."""
+    out = {"python": platform.python_version()}
+    for dist in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "transformers",
+                 "ml_collections", "numpy", "jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
 
 
 def find_devices(force_cpu: bool) -> list:
@@ -155,8 +217,9 @@ def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]
     return time.perf_counter() - t0, int(ro.lengths.sum())
 
 
-def check_seam(devices) -> None:
+def check_seam(devices, results: Results | None = None) -> None:
     """Each attention implementation of this device against `xla`: values and gradients."""
+    results = results or Results(None)
     import jax
     import jax.numpy as jnp
 
@@ -185,29 +248,43 @@ def check_seam(devices) -> None:
         try:
             got = run(impl)
         except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
-            print(f"seam {impl}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            results.record(f"seam {impl}", f"seam {impl}: FAILED {type(e).__name__}: "
+                           f"{str(e)[:300]}", ok=False)
             continue
         errs = [float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
                 for a, b in zip(got, ref)]
-        print(f"seam {impl} vs xla (bf16, T={T}, GQA {N}/{K}, left pad): max |diff| / max |ref| "
-              f"out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, dv {errs[3]:.1e}")
+        results.record(
+            f"seam {impl}",
+            f"seam {impl} vs xla (bf16, T={T}, GQA {N}/{K}, left pad): max |diff| / max |ref| "
+            f"out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, dv {errs[3]:.1e}",
+            ok=True, rel_err=dict(zip(("out", "dq", "dk", "dv"), errs)))
     if dev.platform == "gpu":
-        check_paged(dev)
+        check_paged(dev, results=results)
+    else:  # the same code path, small, with the kernel in the Pallas interpreter (--force_cpu)
+        check_paged(dev, rows=4, table_pages=8, repeats=2, results=results, interpret=True)
 
 
-def check_paged(dev, rows: int = 64, table_pages: int = 256) -> None:
+def check_paged(dev, rows: int = 64, table_pages: int = 256, repeats: int = 20,
+                results: Results | None = None, interpret: bool = False) -> None:
     """The engine's decode attention on this GPU: jax's Triton paged-attention kernel
     (`pallas_gpu`, what the engine picks in bf16 on a GPU) against the gather path (`xla`):
     64 rows over a shared pool, lengths spread from 1 to 4,096 (pages of 16, tables of 256
     pages), bf16, GQA 16/8, head 128: largest difference relative to the output's scale and
-    the time per call of each (median of 20, after a compile), as a ratio."""
+    the time per call of each (median of `repeats`, after a compile), as a ratio."""
     import time
 
     import jax
     import jax.numpy as jnp
 
+    from ba_jax import compat
     from ba_jax.models import attention
 
+    results = results or Results(None)
+    if not compat.has_gpu_paged_kernel():
+        results.record("paged decode", f"paged decode: jax {jax.__version__} ships no Pallas GPU "
+                       "paged-attention kernel; the engine decodes through the gather path",
+                       ok=None)
+        return
     B, N, K, H, ps, X = rows, 16, 8, 128, 16, table_pages
     NP = B * X
     rng = np.random.default_rng(0)
@@ -218,22 +295,27 @@ def check_paged(dev, rows: int = 64, table_pages: int = 256) -> None:
     lengths = jax.device_put(jnp.asarray(np.linspace(1, X * ps, B).astype(np.int32)), dev)
     out, secs = {}, {}
     for impl in ("xla", "pallas_gpu"):
-        fn = jax.jit(lambda *a, impl=impl: attention.paged_decode_attention(*a, impl=impl))
+        fn = jax.jit(lambda *a, impl=impl: attention.paged_decode_attention(
+            *a, impl=impl, interpret=interpret and impl == "pallas_gpu"))
         try:
             out[impl] = np.asarray(fn(q, k, v, table, lengths), np.float32)
         except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
-            print(f"paged decode {impl}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            results.record("paged decode", f"paged decode {impl}: FAILED {type(e).__name__}: "
+                           f"{str(e)[:300]}", ok=False)
             return
         ts = []
-        for _ in range(20):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn(q, k, v, table, lengths).block_until_ready()
             ts.append(time.perf_counter() - t0)
         secs[impl] = float(np.median(ts))
     err = float(np.abs(out["pallas_gpu"] - out["xla"]).max() / np.abs(out["xla"]).max())
-    print(f"paged decode pallas_gpu vs xla (bf16, {B} rows, lengths 1-{X * ps}, GQA {N}/{K}): "
-          f"max |diff| / max |ref| {err:.1e}; {secs['pallas_gpu'] * 1e3:.2f} ms vs "
-          f"{secs['xla'] * 1e3:.2f} ms per call ({secs['xla'] / secs['pallas_gpu']:.2f}x)")
+    results.record(
+        "paged decode",
+        f"paged decode pallas_gpu vs xla (bf16, {B} rows, lengths 1-{X * ps}, GQA {N}/{K}): "
+        f"max |diff| / max |ref| {err:.1e}; {secs['pallas_gpu'] * 1e3:.2f} ms vs "
+        f"{secs['xla'] * 1e3:.2f} ms per call ({secs['xla'] / secs['pallas_gpu']:.2f}x)",
+        ok=True, rel_err=err, ms_pallas_gpu=secs["pallas_gpu"] * 1e3, ms_xla=secs["xla"] * 1e3)
 
 
 def main(argv=None) -> None:
@@ -243,6 +325,8 @@ def main(argv=None) -> None:
     p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention", default="auto", help="model.attention for the train step")
     p.add_argument("--seam_check", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--compiled_memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="last stage: compile the train step again for its memory figures")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--prompt_len", type=int, default=512)
@@ -254,12 +338,18 @@ def main(argv=None) -> None:
     p.add_argument("--sample_new_tokens", type=int, default=512)
     p.add_argument("--peak_tflops", type=float, default=0.0, help="per-GPU bf16 peak override")
     p.add_argument("--force_cpu", action="store_true", help="run on CPU (script check only)")
+    p.add_argument("--out", default="", help="folder for gpu_step.json / gpu_step.md, "
+                   "rewritten after every stage")
     args = p.parse_args(argv)
 
+    results = Results(args.out or None)
+    results.data["argv"] = sys.argv[1:] if argv is None else list(argv)
+    results.data["versions"] = versions()
     devices = find_devices(args.force_cpu)
     if not devices:
-        print("benchmarks/gpu_step.py: no NVIDIA GPU visible to JAX (install jax[cuda12]=="
-              "0.10.2, see docs/scaling.md); nothing measured.")
+        results.record("devices", "benchmarks/gpu_step.py: no NVIDIA GPU visible to JAX (a jax "
+                       "with its CUDA plugin, e.g. jax[cuda13]: see docs/scaling.md); nothing "
+                       "measured.", count=0)
         return
     import jax
 
@@ -273,27 +363,30 @@ def main(argv=None) -> None:
     planned = plan.plan(cfg, len(devices))
     n_params = planned["param_count"]
     L, N, H = mc.num_layers, mc.num_heads, mc.head_dim
-    print(f"jax {jax.__version__}; {len(devices)} x {kind}; peak {peak:g} bf16 TFLOP/s per device"
-          f"{' (--peak_tflops)' if args.peak_tflops else ''}; model {n_params:,} parameters, "
-          f"remat {'on' if args.remat else 'off'}, attention {args.attention}")
+    v = results.data["versions"]
+    results.record(
+        "devices",
+        f"jax {jax.__version__} (python {v['python']}, flax {v.get('flax')}, optax "
+        f"{v.get('optax')}, orbax-checkpoint {v.get('orbax-checkpoint')}); {len(devices)} x "
+        f"{kind}; peak {peak:g} bf16 TFLOP/s per device"
+        f"{' (--peak_tflops)' if args.peak_tflops else ''}; model {n_params:,} parameters, "
+        f"remat {'on' if args.remat else 'off'}, attention {args.attention}",
+        count=len(devices), kind=kind, platform=devices[0].platform, peak_tflops=peak,
+        params=n_params)
     if args.seam_check:
-        check_seam(devices)
+        check_seam(devices, results)
 
     T = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens - 1
     rows = cfg.rollout.prompts_per_step * cfg.rollout.num_samples
     step_s, state, graphdef, peak_bytes = bench_train(cfg, devices, args.steps)
     tok_s = rows * T / step_s
     flops_tok = 6 * n_params + 12 * L * N * H * T
-    mfu = _pct(tok_s * flops_tok / (peak * 1e12 * len(devices)))
-    print(f"train: {rows} rows x {T} tokens, {args.microbatches} micro-batches: "
-          f"{step_s * 1e3:.0f} ms/step, {tok_s:,.0f} tokens/s, MFU {mfu} "
-          f"({flops_tok / 1e9:.2f} GFLOP/token)")
-    est = planned["bytes"]["train_peak"] / 2**30
-    got = "n/a" if peak_bytes is None else f"{peak_bytes / 2**30:.1f} GiB"
-    compiled = plan.compiled_memory(cfg, len(devices), devices=devices)["train"]["peak_bytes"]
-    print(f"train memory on device 0: measured peak {got} (the process's high-water mark, "
-          f"state included); compiled on this device (plan --compile) {compiled / 2**30:.1f} GiB;"
-          f" ba_jax.plan estimate {est:.1f} GiB (fitted to XLA:CPU)")
+    mfu = tok_s * flops_tok / (peak * 1e12 * len(devices))
+    results.record(
+        "train", f"train: {rows} rows x {T} tokens, {args.microbatches} micro-batches: "
+        f"{step_s * 1e3:.0f} ms/step, {tok_s:,.0f} tokens/s, MFU {_pct(mfu)} "
+        f"({flops_tok / 1e9:.2f} GFLOP/token)", ms_per_step=step_s * 1e3, tokens_per_s=tok_s,
+        mfu=None if np.isnan(mfu) else mfu, measured_peak_bytes=peak_bytes)
 
     sec, gen = bench_sampler(graphdef, state["params"], args, mc.vocab_size,
                              build.make_mesh(cfg, devices))
@@ -301,10 +394,28 @@ def main(argv=None) -> None:
 
     S = rollout.prompt_bucket(args.sample_prompt_len) + args.sample_new_tokens
     flops_dec = 2 * n_params + 4 * L * N * H * S
-    mfu_dec = _pct(gen / sec * flops_dec / (peak * 1e12 * len(devices)))
-    print(f"sample: {args.sample_prompts} prompts x {args.sample_samples} samples, "
-          f"{args.sample_new_tokens} new tokens: {gen:,} tokens in {sec:.2f} s, "
-          f"{gen / sec:,.0f} tokens/s, MFU {mfu_dec} (decode is memory-bound)")
+    mfu_dec = gen / sec * flops_dec / (peak * 1e12 * len(devices))
+    results.record(
+        "sample", f"sample: {args.sample_prompts} prompts x {args.sample_samples} samples, "
+        f"{args.sample_new_tokens} new tokens: {gen:,} tokens in {sec:.2f} s, "
+        f"{gen / sec:,.0f} tokens/s, MFU {_pct(mfu_dec)} (decode is memory-bound)",
+        seconds=sec, tokens=gen, tokens_per_s=gen / sec,
+        mfu=None if np.isnan(mfu_dec) else mfu_dec)
+    del state
+
+    if args.compiled_memory:
+        est = planned["bytes"]["train_peak"] / 2**30
+        got = "n/a" if peak_bytes is None else f"{peak_bytes / 2**30:.1f} GiB"
+        compiled = plan.compiled_memory(cfg, len(devices), devices=devices)["train"]
+        results.record(
+            "train memory", f"train memory on device 0: measured peak {got} (the process's "
+            f"high-water mark, state included); compiled on this device (plan --compile) "
+            f"{compiled['peak_bytes'] / 2**30:.1f} GiB; ba_jax.plan estimate {est:.1f} GiB "
+            "(fitted to XLA:CPU)", measured_peak_bytes=peak_bytes,
+            compiled_peak_bytes=compiled["peak_bytes"],
+            planned_bytes=planned["bytes"]["train_peak"])
+    results.data["complete"] = True
+    results.write()
     sys.stdout.flush()
 
 

@@ -20,3 +20,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line saying how many tests were skipped for want of torch (the newest end of the
+    supported range, Python 3.12, runs without it; helpers_hf.needs_torch)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    n = sum(1 for r in skipped if "needs torch" in str(getattr(r, "longrepr", "")))
+    if n:
+        terminalreporter.write_line(f"{n} tests skipped: torch is not installed (Hugging Face "
+                                    "parity and transformers-written folders)")

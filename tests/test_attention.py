@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
+from ba_jax import compat
 from ba_jax.models import attention as A
 from ba_jax.models.attention import cudnn, flash, reference, splash
 
@@ -443,19 +444,33 @@ def test_paged_impl_follows_the_prefill_kernel():
     assert A.paged_impl("auto", dtype=F32, head_dim=128) == "xla"  # on this CPU
 
 
+def test_paged_impl_falls_back_to_the_gather_path_without_the_triton_kernel(monkeypatch):
+    """Where jax no longer ships its Triton paged-attention kernel (deprecated from 0.12),
+    decode on a GPU takes the gather path (same results, `compat.has_gpu_paged_kernel`)."""
+    assert A.paged_impl("cudnn", dtype=BF16, head_dim=128) == "pallas_gpu"
+    monkeypatch.setattr(compat, "has_gpu_paged_kernel", lambda: False)
+    assert A.paged_impl("cudnn", dtype=BF16, head_dim=128) == "xla"
+
+
 @pytest.mark.parametrize("use_mesh", [False, True])
 @pytest.mark.parametrize("impl, platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
 def test_paged_kernels_lower_for_their_platform(impl, platform, use_mesh):
     """The TPU kernel lowers to one Mosaic call for platform tpu, the Triton one for cuda
     (compiling either needs the hardware); under a data x fsdp x tensor mesh each runs in a
-    shard_map (rows over data/fsdp, kv heads over tensor)."""
+    shard_map (rows over data/fsdp, kv heads over tensor). For cuda the mesh (or no mesh) is
+    an abstract one of H100s (`compat.abstract_gpu`): there is no GPU here to target."""
     B, N, K, H, NP, ps, X = 8, 8, 2, 128, 64, 16, 6
     q = jax.ShapeDtypeStruct((B, N, H), BF16)
     pool = jax.ShapeDtypeStruct((K, NP, ps, H), BF16)
     table = jax.ShapeDtypeStruct((B, X), jnp.int32)
     lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
     fn = jax.jit(lambda *a: A.paged_decode_attention(*a, impl=impl, pages_per_block=4))
-    with jax.set_mesh(_mesh()) if use_mesh else contextlib.nullcontext():
+    mesh = _mesh() if use_mesh else None
+    if platform == "cuda":  # no GPU here: jax >= 0.11 asks for the target as an abstract one
+        target = compat.abstract_gpu(mesh)
+    else:
+        target = jax.set_mesh(mesh) if use_mesh else contextlib.nullcontext()
+    with target:
         text = fn.trace(q, pool, pool, table, lengths).lower(
             lowering_platforms=(platform,)).as_text()
     if platform == "tpu":

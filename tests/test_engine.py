@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ba_jax import grpo, sampler
+from ba_jax import compat, grpo, sampler
 from ba_jax.engine import call, loop, queue, shapes
 from ba_jax.rollout import EngineSettings, SamplingSettings
 from test_sampler import PROMPTS, _hf_greedy, _tiny
@@ -267,7 +267,7 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernels, ch
     each device's own while loop inside the shard_map) lowers for TPU and GPU with the
     platform's prefill kernel (whole buckets) or chunked prefill; compiling it only happens
     on the hardware. The CPU jaxlib has no CUDA plugin: jax's trace-time cuDNN version query
-    is stood in for."""
+    is stood in for, and the Triton kernel's target GPU named (`compat.host_lowers_as_gpu`)."""
     from unittest import mock
 
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
@@ -289,7 +289,10 @@ def test_row_parallel_engine_lowers_for_accelerators(impl, platform, kernels, ch
     rows = np.zeros(len(lay.row_prompt), np.int32)
     patch = (mock.patch.object(cudnn_fa, "check_cudnn_version", return_value=90800)
              if impl == "cudnn" else contextlib.nullcontext())
-    with patch:
+    # the engine shard_maps over this host's mesh, so the Triton kernel's target GPU (which
+    # jax >= 0.11 asks for) is named through compat.host_lowers_as_gpu, not an abstract mesh
+    target = compat.host_lowers_as_gpu() if platform == "cuda" else contextlib.nullcontext()
+    with patch, target:
         text = run.trace(copy, prompts, prompts, lay.row_prompt, rows, rows + R,
                          jax.random.key(0), np.array([2], np.int32), np.int32(0)).lower(
             lowering_platforms=(platform,)).as_text()

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from helpers_hf import needs_torch
+from transformers import Qwen2Config, Qwen3Config
 
 import os
 import sys
@@ -343,16 +343,28 @@ PUBLISHED_B = {"Qwen2.5-0.5B": 0.49, "Qwen2.5-1.5B": 1.54, "Qwen2.5-7B": 7.61,
                "Qwen3-1.7B": 1.7, "Qwen3-4B": 4.0, "Qwen3-8B": 8.2}
 
 
+def _param_count(cfg) -> int:
+    abstract = nnx.eval_shape(lambda: qwen.Qwen(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize("name", list(qwen.PRESETS))
+def test_preset_parameter_count_matches_the_model_card(name):
+    cfg = qwen.PRESETS[name]
+    n_ours = _param_count(cfg)
+    assert abs(n_ours / 1e9 - PUBLISHED_B[name]) / PUBLISHED_B[name] < 0.02
+    hf = hf_config(cfg, jnp.bfloat16)
+    assert qwen.ModelConfig.from_hf_config(hf) == cfg  # config.json round trip
+
+
 @pytest.mark.parametrize("name", list(qwen.PRESETS))
 def test_preset_parameter_count_matches_transformers(name):
+    torch = needs_torch()
+    from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
+
     cfg = qwen.PRESETS[name]
-    abstract = nnx.eval_shape(lambda: qwen.Qwen(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16))
-    n_ours = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-    hf = hf_config(cfg, jnp.bfloat16)
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[cfg.arch]
     with torch.device("meta"):
-        hf_model = model_cls(config_cls(**hf))
-    assert n_ours == sum(p.numel() for p in hf_model.parameters())
-    assert abs(n_ours / 1e9 - PUBLISHED_B[name]) / PUBLISHED_B[name] < 0.02
-    assert qwen.ModelConfig.from_hf_config(hf) == cfg  # config.json round trip
+        hf_model = model_cls(config_cls(**hf_config(cfg, jnp.bfloat16)))
+    assert _param_count(cfg) == sum(p.numel() for p in hf_model.parameters())

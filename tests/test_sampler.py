@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from scipy import stats
 
@@ -18,7 +17,7 @@ from ba_jax import grpo, rollout, sampler, sampling
 from ba_jax.engine import loop as engine_loop
 from ba_jax.models import convert_hf, qwen
 from ba_jax.sharding import make_mesh
-from helpers_hf import make_tiny_hf
+from helpers_hf import make_tiny_hf, needs_torch
 
 # the static sampler is the engine's benchmark baseline (benchmarks/static_sampler.py): its
 # correctness is what makes the benchmark's ratios mean something
@@ -55,6 +54,8 @@ GREEDY_KW = dict(num_samples=4, max_new_tokens=12, temperature=0.0, pad_id=0)  #
 
 
 def _hf_greedy(path: str, prompts, max_new_tokens: int, eos: int, pad: int) -> np.ndarray:
+    """transformers' greedy tokens (the test calling it is skipped without torch)."""
+    torch = needs_torch()
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

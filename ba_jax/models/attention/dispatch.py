@@ -15,6 +15,7 @@ decode asks `paged_impl`. Implementations of `attention`, all with the same sema
 import jax
 import jax.numpy as jnp
 
+from ba_jax import compat
 from ba_jax.models.attention import cudnn as cudnn_lib
 from ba_jax.models.attention import flash, reference, splash
 
@@ -92,11 +93,13 @@ def paged_impl(impl: str, *, dtype: jnp.dtype, head_dim: int, page_size: int = 1
     Qwen2.5/Qwen3 model has 128); jax's GPU (Triton) paged-attention Pallas kernel wherever
     the prefill runs cuDNN (on a GPU in bf16/fp16, or asked for by name), when heads and
     pages have power-of-two sizes (Triton's block shapes; head >= 16); else the gather-based
-    pure-JAX one (float32 on a GPU included: Triton's dots may round f32 through tf32)."""
+    pure-JAX one (float32 on a GPU included: Triton's dots may round f32 through tf32; and
+    wherever this jax no longer ships the Triton kernel, `compat.has_gpu_paged_kernel`)."""
     chosen = resolve(impl, dtype=dtype, seq_len=1)
     if chosen == "splash":
         return "pallas_tpu" if head_dim % 128 == 0 else "xla"
-    if chosen == "cudnn" and _pow2(head_dim) and head_dim >= 16 and _pow2(page_size):
+    if (chosen == "cudnn" and compat.has_gpu_paged_kernel() and _pow2(head_dim)
+            and head_dim >= 16 and _pow2(page_size)):
         return "pallas_gpu"
     return "xla"
 

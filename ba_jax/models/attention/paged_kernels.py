@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ba_jax import compat
 from ba_jax.models.attention.partition import kernel_split
 from ba_jax.models.attention.reference import F32
 
@@ -34,7 +35,10 @@ def paged_kernel(impl, q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_blo
             return tpu_kernel.paged_attention(q, k_pool, v_pool, lengths_B, table_BX,
                                               pages_per_compute_block=ppb)
     else:
-        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+        gpu_paged_attention = compat.gpu_paged_kernel()
+        if gpu_paged_attention is None:
+            raise ValueError("this jax ships no Pallas GPU paged-attention kernel: use the "
+                             "gather path (attention.paged_impl picks it)")
 
         # Triton takes power-of-two blocks: ppb pages (of a power-of-two size); the table is
         # cut into `splits` partitions run in parallel and merged (split-K)
@@ -42,7 +46,7 @@ def paged_kernel(impl, q_BNH, k_pool, v_pool, table_BX, lengths_B, pages_per_blo
         splits = max(1, min(16, X // ppb))
 
         def call(q, k_pool, v_pool, table_BX, lengths_B):
-            return gpu_kernel.paged_attention(q, k_pool, v_pool, table_BX, lengths_B,
+            return gpu_paged_attention(q, k_pool, v_pool, table_BX, lengths_B,
                                               pages_per_compute_block=ppb, k_splits=splits,
                                               interpret=interpret)
     # the kernel's blocks of pages must divide the table: pad it with page 0 (never read,
