@@ -9,7 +9,8 @@ a status, never an exception; only malformed arguments raise `ValueError`.
 Lives here: those two entry points, `CodeResult` and `STATUSES`, code extraction
 (`extract_code`), output comparison (`outputs_match`) and the verdict on one run. Not here:
 running the program in isolation (`sandbox.py`, with `sandbox_launcher.py`,
-`sandbox_slots.py` and `sandbox_root.py`; see docs/sandbox.md); math rewards (`math.py`).
+`sandbox_slots.py`, `sandbox_root.py`, `sandbox_seccomp.py` and `sandbox_cgroup.py`; see
+docs/sandbox.md); math rewards (`math.py`).
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ def _verdict(run: Run, expected: str, timeout_s: float) -> tuple[str, str]:
     """(status, detail) of one test run; status "passed" when it matches.
 
     The cause decides, not the clock: a program that hit its memory limit (the
-    `MemoryError` that RLIMIT_AS raises, or an allocation failure, in its stderr) is
-    `memory` however it then ended: exit, signal, CPU limit, or the wall clock running out
-    while it was still dying (a slow machine). Only a clean exit is judged on its output.
+    `MemoryError` that RLIMIT_AS raises, or an allocation failure, in its stderr, or a
+    process of it killed by the memory cgroup's OOM killer) is `memory` however it then
+    ended: exit, signal, CPU limit, or the wall clock running out while it was still dying
+    (a slow machine). Only a clean exit is judged on its output.
     """
     if run.outcome == "overflow":
         return "error", f"output over {MAX_OUTPUT_BYTES} bytes"
@@ -121,9 +123,11 @@ def _verdict(run: Run, expected: str, timeout_s: float) -> tuple[str, str]:
     name = ""
     if run.outcome == "signal":
         name = signal.Signals(run.code).name if run.code in signal.valid_signals() else run.code
-    if (run.outcome != "exit" or run.code != 0) and any(m in run.stderr for m in _MEMORY_MARKERS):
+    if (run.outcome != "exit" or run.code != 0) and (
+            run.memory_exceeded or any(m in run.stderr for m in _MEMORY_MARKERS)):
         how = {"timeout": f"then wall clock over {timeout_s:g}s", "signal": f"killed by {name}"}
-        return "memory", f"{how.get(run.outcome, f'exit {run.code}')}: " + excerpt(
+        cgroup = "over the memory cgroup's limit (OOM kill), " if run.memory_exceeded else ""
+        return "memory", f"{cgroup}{how.get(run.outcome, f'exit {run.code}')}: " + excerpt(
             run.stderr[-300:])
     if run.outcome == "timeout":
         return "timeout", f"wall clock over {timeout_s:g}s"
