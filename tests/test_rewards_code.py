@@ -93,6 +93,34 @@ def test_outputs_match_strips_and_compares_numbers():
     assert code.outputs_match("1e-9 2.0", "0 2")  # absolute tolerance near zero
     assert not code.outputs_match("0.3334", "0.3333")
     assert not code.outputs_match("1000000001", "1000000000")  # integers are exact
+    assert code.outputs_match("2.0000001", "2")  # a true float: tolerance
+    assert not code.outputs_match("-0.0000001", "0.00001")
+
+
+@pytest.mark.parametrize("got,expected,match", [
+    # issue 37 item 9: an integral float token is an integer, compared exactly
+    ("1000000999.0", "1000000000", False),
+    ("1000000000", "1000000999.0", False),
+    ("1e9", "1000000007", False),
+    ("1.000000007e9", "1000000007", True),
+    ("1000000007.000", "1000000007", True),
+    ("1e9", "1000000000", True),
+    ("+12", "12.0", True),
+    ("-0", "0.0", True),
+    ("5.", "5", True),
+    pytest.param("9" * 5000, "9" * 5000 + ".0", True, id="5000 digits"),  # past int()'s limit
+    pytest.param("9" * 4999 + "8", "9" * 5000, False, id="5000 digits, last differs"),
+    # a true float on either side: 1e-6 relative or absolute tolerance, as before
+    ("0.3333333", "0.333333333333", True),
+    ("1000000000.5", "1000000000", True),
+    ("2.5", "2.50001", False),
+])
+def test_integers_are_exact_whatever_their_formatting(got, expected, match):
+    assert code.outputs_match(got, expected) is match
+    assert code.outputs_match(f"{got} x", f"{expected} x") is match
+    assert not code.outputs_match("1\n2", "1 2")
+    assert not code.outputs_match("1\n\n2", "1\n2")
+    assert not code.outputs_match("yes", "YES")
 
 
 def test_malformed_tests_raise_value_error():

@@ -2,9 +2,11 @@
 
 `check_program` takes a model response (the last fenced code block, else the whole text),
 runs it once per test with the test's input on stdin and compares stdout line by line
-(stripped, numeric fallback for floats). `check_programs` scores a batch on worker threads;
-the work happens in child processes. A crash, timeout or limit hit is a failed result with
-a status, never an exception; only malformed arguments raise `ValueError`.
+(stripped; two tokens that both denote integers exactly, however written, other numbers
+within 1e-6: docs/sandbox.md, "Judging the output"). `check_programs` scores a batch on
+worker threads; the work happens in child processes. A crash, timeout or limit hit is a
+failed result with a status, never an exception; only malformed arguments raise
+`ValueError`.
 
 Lives here: those two entry points, `CodeResult` and `STATUSES`, code extraction
 (`extract_code`), output comparison (`outputs_match`) and the verdict on one run. Not here:
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import decimal
 import logging
 import math
 import os
@@ -53,7 +56,7 @@ class CodeResult:
 
 
 _CODE_BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_INT_RE = re.compile(r"[+-]?\d+")
+_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 def extract_code(response: str) -> str:
@@ -63,9 +66,22 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
+def _integer(token: str) -> decimal.Decimal | None:
+    """The exact value of a decimal token that denotes an integer however it is written
+    (`12`, `+12`, `12.0`, `1.2e1`), else None (`12.5`, `nan`, words)."""
+    if not _NUMBER_RE.fullmatch(token):
+        return None
+    value = decimal.Decimal(token)
+    return value if value == value.to_integral_value() else None
+
+
 def _numbers_close(a: str, b: str) -> bool:
-    if _INT_RE.fullmatch(a) and _INT_RE.fullmatch(b):
-        return int(a) == int(b)  # integers exactly: 10**9 and 10**9 + 1 differ
+    """Two tokens that both denote integers are compared exactly (`1000000999.0` is the
+    integer 1000000999, not within 1e-6 of 10**9); otherwise, numbers within 1e-6 relative
+    or absolute tolerance (true floats: `0.3333333333` matches `0.333333333333333`)."""
+    x, y = _integer(a), _integer(b)
+    if x is not None and y is not None:
+        return x == y
     try:
         x, y = float(a), float(b)
     except ValueError:
