@@ -589,6 +589,28 @@ def test_plot_titles_say_they_are_moving_averages(tmp_path, monkeypatch):
                       "accuracy (fraction judged right)\nper-step values"]
 
 
+def test_plot_labels_runs_by_their_shortest_unique_path_suffix(tmp_path, monkeypatch):
+    """Issue 37 item 8: `a/run` and `b/run` were one curve (keyed by the folder name)."""
+    import matplotlib.pyplot as plt
+
+    from ba_jax import plot
+
+    runs = [tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "c" / "other"]
+    for i, wd in enumerate(runs):
+        wd.mkdir(parents=True)
+        with open(wd / "metrics.jsonl", "w") as f:
+            for step in range(1, 4):
+                f.write(json.dumps({"step": step, "reward_mean": i + 0.1 * step}) + "\n")
+    legends, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (legends.append(
+        [t.get_text() for t in fig.axes[0].get_legend().get_texts()]), close(fig)))
+    plot.plot_runs([str(p) for p in runs], str(tmp_path / "plots"))
+    assert legends == [["a/run", "b/run", "other"]]
+    assert plot.run_labels(["x/y/run", "z/y/run", "run2"]) == ["x/y/run", "z/y/run", "run2"]
+    with pytest.raises(SystemExit, match="given twice"):
+        plot.run_labels([str(runs[0]), str(runs[0]) + "/"])
+
+
 def test_docs_hold_the_data_columns_and_the_default_runs_figures(tmp_path, char_tokenizer):
     from transformers import AutoTokenizer
 
