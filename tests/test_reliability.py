@@ -108,6 +108,9 @@ def _good_rows(n=8):
     return [{"prompt": f"What is {i}+1? Answer:", "solution": str(i + 1)} for i in range(n)]
 
 
+_GOOD_LINE = b'{"prompt": "What is 1+1? Answer:", "solution": "2"}\n'
+
+
 def _cfg_case(overrides):
     return lambda tmp, tok: (debug_config(**overrides), str(tmp / "run"))
 
@@ -188,6 +191,17 @@ BAD = [
     ("dataset not JSON", _data_case(raw=b"{not json\n"), ConfigError, "data.jsonl"),
     ("dataset invalid UTF-8", _data_case(raw=b'{"prompt": "\xff\xfe Answer:", "solution": "1"}\n'),
      ConfigError, "data.jsonl"),
+    # issue 37 item 10: the line, and `{}` rows
+    ("dataset line 2 not JSON", _data_case(raw=_GOOD_LINE + b'{"prompt": "x", "solution": \n'
+                                           + _GOOD_LINE), ConfigError,
+     r"could not read data file .*data.jsonl: line 2 is not valid JSON \(Expecting value at "
+     r"column 29\)"),
+    ("dataset line 3 not UTF-8", _data_case(raw=_GOOD_LINE * 2 + b'{"prompt": "\xff"}\n'),
+     ConfigError, r"data.jsonl: line 3 is not UTF-8 \(invalid start byte at byte 12\)"),
+    ("dataset line 2 not an object", _data_case(raw=_GOOD_LINE + b"[1, 2]\n"), ConfigError,
+     r"data.jsonl: line 2 is a JSON list, not an object"),
+    ("dataset rows all {}", _data_case(raw=b"{}\n{}\n\n{}\n"), ConfigError,
+     r"data.jsonl: every one of its 3 rows is an empty object \{\}"),
     ("dataset wrong suffix", _data_case(rows=_good_rows(), name="data.csv"), ConfigError, "data.csv"),
     ("parquet file corrupt", _data_case(raw=b"PAR1garbage", name="data.parquet"), ConfigError,
      "data.parquet"),
@@ -365,13 +379,14 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, char_tokenizer):
         {"prompt": 7, "solution": "1"},  # mistyped prompt
         {"prompt": "x" * 100_000 + " Answer:", "solution": "1"},  # enormous row
         {"prompt": "What is 0+1? Answer:", "solution": "1"},  # duplicate of row 0
+        {}, {},  # empty rows (issue 37: counted under their own name)
     ]
     path = _jsonl(tmp_path / "d.jsonl", rows)
     tok = AutoTokenizer.from_pretrained(char_tokenizer)
     ds = data.load_prompts(data.DataConfig(path=path, template="plain", max_prompt_tokens=64), tok)
     assert len(ds.prompt_ids) == 6
     assert ds.stats["too_long"] == 1 and ds.stats["duplicates_dropped"] == 1
-    assert ds.stats["empty_prompt"] + ds.stats["malformed"] == 2
+    assert ds.stats["empty_prompt"] + ds.stats["malformed"] == 2 and ds.stats["empty_row"] == 2
     assert ds.stats["rows_read"] == len(rows)
 
 
