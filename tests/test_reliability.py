@@ -486,6 +486,38 @@ runpy.run_module("ba_jax.main", run_name="__main__")
 """
 
 
+# Step 2's metrics line fails as a write to a full disk does (the OSError of its flush).
+# (A real full tmpfs is not used: a short line usually still fits the file's last page, and
+# then tensorboardX's writer thread, dead of ENOSPC, blocks the run: see docs/reliability.md.)
+_FULL_DISK_MID_STEP = """
+import errno, os, runpy, sys
+from ba_jax import metrics
+real = metrics.MetricsWriter.write
+def write(self, step, *args, **kwargs):
+    if step == 2:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(self, step, *args, **kwargs)
+metrics.MetricsWriter.write = write
+sys.argv = ["ba_jax.main"] + sys.argv[1:]
+runpy.run_module("ba_jax.main", run_name="__main__")
+"""
+
+
+def test_full_disk_mid_step_names_the_checkpoint_to_resume_from(tmp_path):
+    """Issue 37 item 10: a disk that fills in the middle of a step (here at its metrics line)
+    ended in a bare `ba_jax: [Errno 28] No space left on device`."""
+    wd = str(tmp_path / "w")
+    proc = _command(None, *MAIN, f"--workdir={wd}", wrapper=_FULL_DISK_MID_STEP)
+    lines = _errors(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 2, proc.stderr[-3000:]
+    assert re.fullmatch(r"ba_jax: \[Errno 28\] No space left on device: writing to "
+                        r"--workdir='.*/w' failed during the run; the newest checkpoint \(step "
+                        r"0 in .*/w/checkpoints\) is intact: free disk space and run the same "
+                        r"command again to resume from it", lines[0]), lines[0]
+    assert lines[1] == f"  (full detail in {wd}/error.log; --verbose prints it)"
+    assert "OSError: [Errno 28]" in open(os.path.join(wd, "error.log")).read()
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A debug-config workdir trained for 1 step (checkpoints 0 and 1)."""
