@@ -729,7 +729,8 @@ def _config_variants():
     """Every config file and variant in configs/ (paper: the whole 2 x 2 x 3 grid)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("paper", os.path.join(REPO, "configs", "paper.py"))
+    path = os.path.join(REPO, "configs", "paper.py")
+    spec = importlib.util.spec_from_file_location("paper", path)
     paper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paper)
     yield from (f"configs/default.py{v}" for v in ("", ":debug", ":head32"))
