@@ -8,13 +8,15 @@ WORKDIR), named on a second line, and to the terminal with `--verbose`. Flag err
 file that does not exist, a misspelled `--config.` override, a config variant that
 `get_config` refuses) are one line too.
 
-Lives here: `fail`, `message`, `absl_flags_parser`, `VERBOSE_HELP`. Not here: the messages
+Lives here: `fail`, `message`, `resume_hint` (a failed write during a run: what is intact
+and how to resume), `absl_flags_parser`, `VERBOSE_HELP`. Not here: the messages
 themselves, which are written where each error is found.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import re
@@ -101,6 +103,25 @@ def fail(prog: str, e: BaseException, *, verbose: bool = False,
                      else "  (--verbose prints the full detail)")
     print("\n".join(lines), file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+def resume_hint(e: OSError, workdir: str) -> RuntimeError:
+    """A write that failed while a run was going (a full disk at a metrics line) as one line
+    that says what is intact and how to go on: the newest checkpoint in WORKDIR/checkpoints
+    (Orbax commits a step only when it is complete, so it is whole) and the same command."""
+    folder = os.path.join(workdir, "checkpoints")
+    try:
+        steps = sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+    except OSError:
+        steps = []
+    fix = "free disk space" if e.errno == errno.ENOSPC else "fix the cause"
+    then = (f"the newest checkpoint (step {steps[-1]} in {folder}) is intact: {fix} and run the "
+            "same command again to resume from it" if steps else
+            f"no checkpoint was written yet: {fix} and run the same command again")
+    error = RuntimeError(f"{message(e)}: writing to --workdir={workdir!r} failed during the "
+                         f"run; {then}")
+    error.__cause__ = e
+    return error
 
 
 # ------------------------------------------------------------------ flags of the absl commands

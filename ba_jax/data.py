@@ -7,7 +7,8 @@ the evaluation sets (`eval_sets.py`), padding prompts to bucket lengths (`sample
 
 Nothing is fetched: files are read through Hugging Face `datasets` with
 `HF_DATASETS_OFFLINE=1` and its progress bars off (`load_local_dataset`, shared with the
-evaluation-set reader). Every row that is not kept is counted in `PromptDataset.stats` under
+evaluation-set reader). A file `datasets` cannot read is named with its first bad line
+(`_json_lines_problem`). Every row that is not kept is counted in `PromptDataset.stats` under
 one reason (the `Skip` it raised; the evaluation-set reader counts its rows the same way),
 so `rows_read == kept + sum(drop counts)`; kept prompts whose answer was a float are counted
 too (`FLOAT_ANSWER_COUNTS`, see `_answer_text`), and the trainer prints it all.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -98,7 +100,7 @@ class PromptDataset:
     ground_truths: list[str]  # reference answers, as strings
     reward_rule: str  # "dapo" or "boxed"
     # rows_read, kept, and the drop reasons: duplicates_dropped, too_long, no_answer,
-    # malformed, empty_prompt; then FLOAT_ANSWER_COUNTS (of the kept prompts; not drops).
+    # malformed, empty_prompt, empty_row; then FLOAT_ANSWER_COUNTS (of the kept prompts).
     stats: dict[str, int]
 
     def __len__(self) -> int:
@@ -261,7 +263,7 @@ def _read_rows(config: DataConfig):
             raise ValueError(f"data file is empty (no rows): {path}")
         builder = "parquet"
     elif path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             if not f.read(4096).strip():
                 raise ValueError(f"data file is empty: {path}")
         builder = "json"
@@ -270,7 +272,46 @@ def _read_rows(config: DataConfig):
     try:
         return load_local_dataset(builder, path, config.cache_dir)
     except Exception as e:  # noqa: BLE001  datasets raises many types; name the file
-        raise ValueError(f"could not read data file {path}: {e}") from e
+        where = _json_lines_problem(path) if builder == "json" else None
+        raise ValueError(f"could not read data file {path}: {where or e}") from e
+
+
+def _batches(table, path: str):
+    """The table's rows, 4096 at a time. pyarrow keeps a JSON file's bytes that are not
+    UTF-8 as they are, and they fail only here: named by their line."""
+    try:
+        yield from table.iter(batch_size=4096)
+    except UnicodeDecodeError as e:
+        where = _json_lines_problem(path) if path.endswith((".jsonl", ".json")) else None
+        raise ValueError(f"could not read data file {path}: {where or e}") from e
+
+
+def _json_lines_problem(path: str) -> str | None:
+    """Why a JSON Lines file cannot be read, naming the line (`datasets` names a byte
+    position at most): the first line that is not UTF-8, not JSON or not an object, or
+    rows that are all `{}`. None for a file of another shape (a JSON array)."""
+    rows = empty = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"line {number} is not UTF-8 ({e.reason} at byte {e.start})"
+            if not text.strip():
+                continue
+            if rows == 0 and text.lstrip().startswith("["):
+                return None
+            try:
+                row = json.loads(text.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                return f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} is a JSON {type(row).__name__}, not an object"
+            rows, empty = rows + 1, empty + (not row)
+    if rows and empty == rows:
+        return (f"every one of its {rows} rows is an empty object {{}}: there is nothing to "
+                "read (rows with a prompt and an answer are needed)")
+    return None
 
 
 def _resolve_format(config: DataConfig, columns: list[str]) -> str:
@@ -344,15 +385,18 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
 
     stats = dict.fromkeys(
         ("rows_read", "duplicates_dropped", "too_long", "no_answer", "malformed",
-         "empty_prompt", "kept") + FLOAT_ANSWER_COUNTS,
+         "empty_prompt", "empty_row", "kept") + FLOAT_ANSWER_COUNTS,
         0,
     )  # fmt: skip
     seen: set[str] = set()
     texts, truths, conversions = [], [], []
-    for batch in table.iter(batch_size=4096):
+    for batch in _batches(table, config.path):
         columns = list(batch)
         for values in zip(*(batch[c] for c in columns)):
             stats["rows_read"] += 1
+            if all(v is None for v in values):  # `{}` (every field missing or null)
+                stats["empty_row"] += 1
+                continue
             try:
                 messages, truth, converted = parse_row(dict(zip(columns, values)), suffix)
             except Skip as skip:
@@ -389,6 +433,9 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
     log.info("loaded %s (%s, reward %s): %s", config.path, fmt, reward_rule, stats)
     if not dataset.prompt_ids:
         raise ValueError(f"{config.path}: no usable prompts ({stats})")
+    if stats["empty_row"]:
+        log.warning("%s: %d of %d rows are empty objects {} (no field set): skipped",
+                    config.path, stats["empty_row"], stats["rows_read"])
     return dataset
 
 

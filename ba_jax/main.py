@@ -27,9 +27,11 @@ def main(argv):
 
     try:
         print(train.run_training(_CONFIG.value, _WORKDIR.value))
-    except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError,
-            OSError) as e:  # OSError: a write to the workdir failed (disk full, permissions)
+    except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError) as e:
         cli.fail("ba_jax", e, verbose=_VERBOSE.value, log_dir=_WORKDIR.value)
+    except OSError as e:  # a write to the workdir failed during the run (disk full, ...)
+        cli.fail("ba_jax", cli.resume_hint(e, _WORKDIR.value), verbose=_VERBOSE.value,
+                 log_dir=_WORKDIR.value)
     if distributed.is_primary():
         plot.plot_finished(_WORKDIR.value)
 

@@ -4,7 +4,10 @@ Reads each run's `metrics.jsonl` and writes one PNG per quantity (reward, accura
 response length, and the aggregation diagnostics when logged) so that runs that differ
 only in `grpo.aggregation` can be compared at a glance. Each curve is a trailing moving
 average over `--window` steps (default 10; 1 plots the raw per-step values), and every
-title says so. Output goes to `--out` (default: `plots/` inside the first workdir).
+title says so. A run is labelled by the shortest suffix of its path that no other run's
+path ends with (`run_labels`: `a/run` and `b/run` stay two curves, `a/run` and `b/run`);
+the same folder given twice is an error. Output goes to `--out` (default: `plots/` inside
+the first workdir).
 """
 
 from __future__ import annotations
@@ -45,6 +48,24 @@ def caption(title: str, window: int) -> str:
     return f"{title}\n{what}"
 
 
+def run_labels(workdirs: list[str]) -> list[str]:
+    """Each run's label: the fewest trailing components of its absolute path that no other
+    run's path ends with (the folder name when that is unique). Two labels are never equal
+    (equal labels have as many components, and each was chosen to differ there);
+    SystemExit when two arguments are the same folder."""
+    parts = [os.path.abspath(wd).strip(os.sep).split(os.sep) for wd in workdirs]
+    labels = []
+    for i, mine in enumerate(parts):
+        others = [p for j, p in enumerate(parts) if j != i]
+        if mine in others:
+            raise SystemExit(f"ba_jax.plot: {workdirs[i]!r} is given twice (as "
+                             f"{[workdirs[j] for j, p in enumerate(parts) if p == mine]})")
+        k = next(k for k in range(1, len(mine) + 1)
+                 if all(p[-k:] != mine[-k:] for p in others))
+        labels.append("/".join(mine[-k:]))
+    return labels
+
+
 def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[str]:
     """Write one PNG per panel with every run overlaid; return the files written."""
     import matplotlib
@@ -53,11 +74,11 @@ def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[st
     import matplotlib.pyplot as plt
 
     runs = {}
-    for wd in workdirs:
+    for wd, label in zip(workdirs, run_labels(workdirs)):
         rows = read_metrics(wd)
         if not rows:
             raise SystemExit(f"ba_jax.plot: {os.path.join(wd, 'metrics.jsonl')} is missing or empty")
-        runs[os.path.basename(os.path.normpath(wd)) or wd] = rows
+        runs[label] = rows
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for key, title in PANELS:

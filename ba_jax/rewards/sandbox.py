@@ -1,23 +1,24 @@
 """The code sandbox: run one untrusted program, once per input, under every limit we can.
 
 Lives here: probing which isolation this machine allows (`isolation()`), one program's
-working dir and uid slot for all its runs (`session()`), one run under limits
-(`Session.run` -> `Run`: starting the launcher, the wall clock, bounded reading of output,
-killing and draining what is left). Not here: the launcher script (`sandbox_launcher.py`),
-the uid slots and the sweep of their processes (`sandbox_slots.py`), what the minimal root
-holds (`sandbox_root.py`), extracting the program and judging its output (`code.py`).
+working dir, uid slot and memory cgroup for all its runs (`session()`), one run under
+limits (`Session.run` -> `Run`: starting the launcher, the wall clock, bounded reading of
+output, killing and draining what is left). Not here: the launcher script
+(`sandbox_launcher.py`), the uid slots and the sweep of their processes
+(`sandbox_slots.py`), what the minimal root holds (`sandbox_root.py`), the seccomp filter
+(`sandbox_seccomp.py`), the memory cgroups (`sandbox_cgroup.py`), extracting the program
+and judging its output (`code.py`).
 
-Each run (see docs/sandbox.md): a launcher process (root) starts a new session and, where
-the kernel allows, new network, PID and mount namespaces. In the mount namespace the
-program gets a minimal root: a fresh tmpfs holding, bound read-only, only its interpreter,
-the shared libraries it loads and its standard library, plus a few /dev nodes, a private
-/proc and its working directory, a fresh size-limited tmpfs at /tmp/prog; nothing else of
-the host (project tree, evaluation data, home directories) exists there. Where the kernel
-refuses that root, the fallback is the host's tree with every mount read-only and /tmp and
-the other world-writable dirs empty (`Isolation.minimal_root` says which is in force).
-The program then runs as a per-slot unprivileged uid (60000 + slot, one slot per
-concurrent run machine-wide, held by an flock) with CPU, address-space, process, file-size
-and open-file limits, under a wall-clock timeout that kills the PID namespace, and with at
+Each run (see docs/sandbox.md): a launcher process (root), which dies with its caller,
+joins the slot's memory cgroup (a ceiling on all the run's memory, tmpfs included), starts
+a new session and, where the kernel allows, new network, PID and mount namespaces. In the
+mount namespace the program gets a minimal root: a fresh tmpfs holding, bound read-only,
+only its interpreter, the shared libraries it loads and its standard library, a few /dev
+nodes, a private /proc and its working directory, a size-limited tmpfs at /tmp/prog
+(fallback: the host's tree read-only, `Isolation.minimal_root=False`). The program runs as
+a per-slot unprivileged uid (60000 + slot, one per concurrent run machine-wide) with CPU,
+address-space, process, file-size and open-file limits, a seccomp filter that refuses new
+namespaces and mounts, under a wall-clock timeout that kills the PID namespace, with at
 most a few MB of output read. `isolation()` probes once which of these work and logs any
 that do not.
 """
@@ -41,7 +42,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ba_jax.rewards import sandbox_root
+from ba_jax.rewards import sandbox_cgroup, sandbox_root, sandbox_seccomp
 from ba_jax.rewards.sandbox_slots import Slot, acquire_slot, free_slots, sweep_uid
 
 logger = logging.getLogger(__name__)
@@ -51,21 +52,29 @@ MAX_PROCESSES = 32  # RLIMIT_NPROC: processes + threads of the slot uid
 MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE
 MAX_OPEN_FILES = 256  # RLIMIT_NOFILE
 WORKDIR_TMPFS_MB = 32  # total size of the private working directory (mount namespace only)
-# Over-mounted (mount namespace) with an empty read-only tmpfs, like /tmp: the other
-# world-writable dirs and where host services keep unix sockets (a read-only mount does not
-# stop connecting to those).
+LAUNCHER_HEADROOM_MB = 64  # cgroup ceiling: memory_mb + working dir + launcher and reaper
+WALL_GRACE_S = 10  # the reaper's own alarm: the run's wall clock plus this (see launcher)
+# Over-mounted (mount namespace) with an empty read-only tmpfs, like /tmp: the other world-
+# writable dirs and host services' unix sockets (a read-only mount does not stop connecting).
 HIDDEN_DIRS = ("/var/tmp", "/dev/shm", "/run", "/var/run")
 _STDERR_TAIL_BYTES = 16 << 10
 _CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = (
     0x00020000, 0x10000000, 0x20000000, 0x40000000)
 _WORK_ROOT: str | None = None  # parent of the per-program temp dirs; None = tempfile's
 
-# The launcher (sandbox_launcher.py) is run by the trainer's own interpreter as
-# `python -I -S -c <its text> <config>`, as when its text was a string here. The text is
-# read once, at import, not run by path: the launcher's argv, sys.path and environment stay
-# what they were, nothing of ba_jax is imported to start it, and an edit or checkout of the
-# tree while a trainer runs cannot change the code that sets up that trainer's sandbox.
-_LAUNCHER = pathlib.Path(__file__).with_name("sandbox_launcher.py").read_text(encoding="utf-8")
+# The launcher (sandbox_launcher.py) is run by the trainer's own interpreter as `python -I
+# -S -c <_BOOTSTRAP> <fd>`, which reads the launcher's text and the run's config from the
+# pipe `fd`: neither is on a command line (a program can read /proc/1/cmdline, the
+# reaper's). The text is read once, at import: nothing of ba_jax is imported to start it,
+# and an edit of the tree while a trainer runs cannot change its sandbox's set-up code.
+_LAUNCHER = pathlib.Path(__file__).with_name("sandbox_launcher.py").read_bytes()
+_BOOTSTRAP = (
+    "import sys\n"
+    "with open(int(sys.argv[1]), 'rb') as f:\n"
+    "    code, _, config = f.read().partition(b'\\0')\n"
+    "exec(compile(code, 'sandbox_launcher.py', 'exec'), {'__name__': '__main__', "
+    "'__builtins__': __builtins__, 'sandbox_config': config})\n"
+)
 
 # What the program's interpreter runs: no site (so no site-packages and no project code on
 # sys.path, which -I already keeps free of the cwd), but `exit`/`quit` as scripts expect.
@@ -91,6 +100,11 @@ class Isolation:
     # libraries and standard library (read-only) and the working dir (True), or else the
     # host's own tree with every mount read-only (False; see docs/sandbox.md).
     minimal_root: bool = False
+    # The program cannot create namespaces or mount anything (sandbox_seccomp's filter).
+    seccomp: bool = False
+    # Each program runs in a memory cgroup of memory_mb + its working dir + the launcher's
+    # headroom, tmpfs pages included (sandbox_cgroup): "" none, else "v2" or "v1".
+    memory_cgroup: str = ""
     notes: tuple[str, ...] = ()
 
 
@@ -104,6 +118,7 @@ class Run:
     stdout: bytes = b""
     stderr: bytes = b""  # tail
     warnings: tuple[str, ...] = ()
+    memory_exceeded: bool = False  # the memory cgroup OOM-killed a process of the run
 
 
 # ---------------------------------------------------------------------------- one run
@@ -115,18 +130,12 @@ def _kill_run(proc: subprocess.Popen, status: bytes) -> None:
     # init (which, in containers, often never reaps).
     reaper = [int(line[4:]) for line in status.decode().splitlines() if line.startswith("pid ")]
     if reaper:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(reaper[0], signal.SIGKILL)  # still the launcher's unreaped child
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _drain(fd: int, limit: int) -> bytes:
@@ -144,17 +153,47 @@ def _drain(fd: int, limit: int) -> bytes:
     return bytes(data)
 
 
+def _start_launcher(cfg: dict, workdir: str, keep_fds: tuple[int, ...]) -> subprocess.Popen:
+    """The launcher process, its text and `cfg` handed over through a pipe (not argv)."""
+    config_r, config_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(config_r)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=workdir, env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+            pass_fds=(config_r, *keep_fds))
+    except BaseException:
+        os.close(config_w)
+        raise
+    finally:
+        os.close(config_r)
+    try:  # more than a pipe holds: the launcher reads while this writes
+        with open(config_w, "wb") as f:
+            f.write(_LAUNCHER + b"\0" + json.dumps(cfg).encode())
+    except BrokenPipeError:  # the launcher died first: no result, a set-up error
+        pass
+    return proc
+
+
 def _run_once(iso: Isolation, slot: Slot | None, workdir: str, stdin: bytes,
-              timeout_s: float, memory_mb: int) -> Run:
+              timeout_s: float, memory_mb: int,
+              cgroup: sandbox_cgroup.SlotCgroup | None = None) -> Run:
     """Run solution.py in `workdir` once under every limit `iso` allows."""
     flags = ((_CLONE_NEWUSER if iso.user_namespace else 0)
              | (_CLONE_NEWNET if iso.net_namespace else 0)
              | (_CLONE_NEWPID if iso.pid_namespace else 0)
              | (_CLONE_NEWNS if iso.mount_namespace else 0))
     cpu_s = max(1, math.ceil(timeout_s))
+    cgroup_fd, oom_kills = None, 0
+    if cgroup is not None:
+        cgroup.set_limit((memory_mb + WORKDIR_TMPFS_MB + LAUNCHER_HEADROOM_MB) << 20)
+        oom_kills, cgroup_fd = cgroup.oom_kills(), cgroup.procs_fd()
     status_r, status_w = os.pipe()
+    seccomp = sandbox_seccomp.filter_program(os.uname().machine) if iso.seccomp else None
     cfg = {
         "status_fd": status_w, "flags": flags, "mount": iso.mount_namespace,
+        "parent": os.getpid(), "cgroup_fd": cgroup_fd, "wall_s": cpu_s + WALL_GRACE_S,
+        "seccomp": seccomp.hex() if seccomp else None,
         "uid": slot.uid if iso.drop_user else None, "gid": slot.gid if iso.drop_user else None,
         "tmpfs_mb": WORKDIR_TMPFS_MB, "hide": HIDDEN_DIRS,
         "root": _ROOT_PLANS[iso.python] if iso.minimal_root else None,
@@ -171,13 +210,12 @@ def _run_once(iso: Isolation, slot: Slot | None, workdir: str, stdin: bytes,
         },
     }
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=workdir, env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
-            pass_fds=(status_w,))
+        proc = _start_launcher(cfg, workdir, (status_w,) if cgroup_fd is None
+                               else (status_w, cgroup_fd))
     finally:
         os.close(status_w)
+        if cgroup_fd is not None:
+            os.close(cgroup_fd)
     deadline = time.monotonic() + timeout_s
     out, err, status = bytearray(), bytearray(), bytearray()
     err_total, stdin_pos, reason = 0, 0, None
@@ -261,7 +299,8 @@ def _run_once(iso: Isolation, slot: Slot | None, workdir: str, stdin: bytes,
                 pass
     lines = bytes(status).decode(errors="replace").splitlines()
     warnings = tuple(line[5:] for line in lines if line.startswith("warn "))
-    run = Run("setup", stdout=bytes(out), stderr=bytes(err), warnings=warnings)
+    run = Run("setup", stdout=bytes(out), stderr=bytes(err), warnings=warnings,
+              memory_exceeded=cgroup is not None and cgroup.oom_kills() > oom_kills)
     if reason is not None:
         run.outcome = reason
         return run
@@ -283,6 +322,13 @@ def _run_once(iso: Isolation, slot: Slot | None, workdir: str, stdin: bytes,
 _ISOLATION: Isolation | None = None
 _ISOLATION_LOCK = threading.Lock()
 _SLOTS: tuple[int, ...] = ()
+_CGROUP: tuple[str, str] | None = None  # (version, folder) of the slot cgroups
+
+
+def _slot_cgroup(iso: Isolation, slot: Slot | None) -> sandbox_cgroup.SlotCgroup | None:
+    if not iso.memory_cgroup or slot is None or _CGROUP is None:
+        return None
+    return sandbox_cgroup.SlotCgroup(*_CGROUP, slot.uid)
 
 
 def _python_candidates() -> list[str]:
@@ -303,26 +349,32 @@ def _probe(iso: Isolation) -> tuple[bool, tuple[str, ...], str, str]:
     and why not (an excerpt of the error)."""
     workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_probe_", dir=_WORK_ROOT)
     slot = acquire_slot(_SLOTS) if iso.drop_user else None
+    cgroup = None
     try:
         with open(os.path.join(workdir, "solution.py"), "w") as f:
             f.write("import sys\nprint('ok', sys.version.split()[0])\n")
         if slot is not None and not iso.mount_namespace:
             os.chown(workdir, slot.uid, slot.gid)
-        run = _run_once(iso, slot, workdir, b"", 10.0, 512)
+        cgroup = _slot_cgroup(iso, slot)
+        run = _run_once(iso, slot, workdir, b"", 10.0, 512, cgroup)
         ok = run.outcome == "exit" and run.code == 0 and run.stdout.startswith(b"ok ")
         version = run.stdout.split()[1].decode() if ok else ""
         detail = "" if ok else f"{run.outcome} {run.code}: {excerpt(run.stderr[-200:], 200)}"
         return ok, run.warnings, version, detail
+    except OSError as e:  # the slot's cgroup could not be made or limited
+        return False, (), "", f"setup {e!r}"
     finally:
         if slot is not None:
             sweep_uid(slot.uid)
+            if cgroup is not None:
+                cgroup.remove()
             slot.release()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def isolation() -> Isolation:
     """Probe once (thread-safe) the strongest isolation this machine supports, and log it."""
-    global _ISOLATION, _SLOTS
+    global _ISOLATION, _SLOTS, _CGROUP
     with _ISOLATION_LOCK:
         if _ISOLATION is not None:
             return _ISOLATION
@@ -338,6 +390,13 @@ def isolation() -> Isolation:
                  [dict(user_namespace=True, net_namespace=True, pid_namespace=True),
                   dict(user_namespace=True, net_namespace=True), {}])
         rejected = []  # why stronger plans or other interpreters were not taken
+        machine = os.uname().machine
+        seccomp = sandbox_seccomp.filter_program(machine) is not None
+        if not seccomp:
+            rejected.append(f"no seccomp filter: no syscall numbers known for {machine}")
+        _CGROUP, why = sandbox_cgroup.probe() if root else (None, "no memory cgroup: not root")
+        if _CGROUP is None:
+            rejected.append(why)
         for plan in plans:
             pythons = _python_candidates()
             if plan.get("minimal_root"):  # the real binary: no venv path in the new root
@@ -345,7 +404,8 @@ def isolation() -> Isolation:
             for python in pythons:
                 iso = Isolation(python=python, **{
                     "drop_user": False, "user_namespace": False, "net_namespace": False,
-                    "pid_namespace": False, "mount_namespace": False, **plan})
+                    "pid_namespace": False, "mount_namespace": False, **plan,
+                    "seccomp": seccomp, "memory_cgroup": _CGROUP[0] if _CGROUP else ""})
                 if iso.minimal_root and python not in _ROOT_PLANS:
                     try:
                         _ROOT_PLANS[python] = sandbox_root.make_root_plan(python)
@@ -353,13 +413,22 @@ def isolation() -> Isolation:
                         rejected.append(f"minimal root for {python}: {e}")
                         continue
                 ok, warnings, version, detail = _probe(iso)
+                if not ok and ("seccomp" in detail or "cgroup" in detail):
+                    # the kernel refuses a layer (no seccomp, a read-only cgroup): go without
+                    rejected.append(f"refused: {detail}")
+                    seccomp = seccomp and "seccomp" not in detail
+                    _CGROUP = None if "cgroup" in detail else _CGROUP
+                    iso = dataclasses.replace(iso, seccomp=seccomp,
+                                              memory_cgroup=_CGROUP[0] if _CGROUP else "")
+                    ok, warnings, version, detail = _probe(iso)
                 if not ok:
                     mode = "with a minimal root" if iso.minimal_root else "in the sandbox"
                     rejected.append(f"interpreter {python} does not run {mode}: {detail}")
                     continue
                 _ISOLATION = dataclasses.replace(
                     iso, notes=(f"python {version}", *warnings, *rejected))
-                full = plan is plans[0] and root and not warnings
+                full = (plan is plans[0] and root and not warnings and iso.seccomp
+                        and bool(iso.memory_cgroup))
                 (logger.info if full else logger.warning)(
                     "code sandbox isolation%s: %s", "" if full else " (WEAKER)", _ISOLATION)
                 return _ISOLATION
@@ -386,8 +455,9 @@ def _remove_tree(path: str) -> None:
 class Session:
     """One program's place in the sandbox: its slot (uid) and working dir, for all its runs."""
 
-    def __init__(self, iso: Isolation, slot: Slot | None, workdir: str):
-        self.iso, self.slot, self.workdir = iso, slot, workdir
+    def __init__(self, iso: Isolation, slot: Slot | None, workdir: str,
+                 cgroup: sandbox_cgroup.SlotCgroup | None = None):
+        self.iso, self.slot, self.workdir, self.cgroup = iso, slot, workdir, cgroup
 
     def write_program(self, text: str) -> None:
         """Write the program as `solution.py` in the working dir."""
@@ -399,7 +469,8 @@ class Session:
 
     def run(self, stdin: bytes, timeout_s: float, memory_mb: int) -> Run:
         """Run the program once with `stdin`, under every limit the isolation allows."""
-        return _run_once(self.iso, self.slot, self.workdir, stdin, timeout_s, memory_mb)
+        return _run_once(self.iso, self.slot, self.workdir, stdin, timeout_s, memory_mb,
+                         self.cgroup)
 
 
 @contextlib.contextmanager
@@ -408,16 +479,20 @@ def session() -> Iterator[Session]:
     on exit the dir is removed and the slot's leftover processes killed."""
     iso = isolation()
     slot = acquire_slot(_SLOTS) if iso.drop_user else None
+    cgroup = None
     try:
         if slot is not None:
             sweep_uid(slot.uid)  # leftovers of an earlier owner of the slot that crashed
+        cgroup = _slot_cgroup(iso, slot)
         workdir = tempfile.mkdtemp(prefix="ba_jax_sandbox_", dir=_WORK_ROOT)
         try:
-            yield Session(iso, slot, workdir)
+            yield Session(iso, slot, workdir, cgroup)
         finally:
             _remove_tree(workdir)
     finally:
         if slot is not None:
             if sweep_uid(slot.uid):
                 logger.warning("code sandbox: killed leftover processes of uid %d", slot.uid)
+            if cgroup is not None:
+                cgroup.remove()
             slot.release()

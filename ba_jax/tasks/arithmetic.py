@@ -18,12 +18,15 @@ onto a few popular answers instead of learning the sums.)
 from __future__ import annotations
 
 import json
+import operator
 import os
 import string
 
 import numpy as np
 
 PAD, EOS = "<|pad|>", "<|endoftext|>"
+# The operators config `arithmetic.ops` may name (a string of them, e.g. "+-").
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # Multi-character pieces first so "Answer" is one token; then every printable char.
 _PIECES = ["Answer", "Question"]
 _CHARS = [c for c in string.printable if c not in "\x0b\x0c\r"]
@@ -55,7 +58,7 @@ def save_tokenizer(out_dir: str) -> str:
 def _problem(rng: np.random.Generator, max_operand: int, ops: str) -> tuple[str, int]:
     a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
     op = ops[int(rng.integers(len(ops)))]
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    value = OPS[op](a, b)
     return f"{a}{op}{b}", value
 
 
@@ -65,7 +68,7 @@ def answer_range(max_operand: int, ops: str) -> list[int]:
     for a in range(max_operand + 1):
         for b in range(max_operand + 1):
             for op in ops:
-                vals.add({"+": a + b, "-": a - b, "*": a * b}[op])
+                vals.add(OPS[op](a, b))
     return sorted(vals)
 
 
