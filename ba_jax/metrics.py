@@ -102,6 +102,13 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
+            if not _tensorboard_alive(self._tb):
+                # its writer thread died of a failed write (a full disk): a dead one would
+                # block the next add_scalar forever on its bounded queue
+                _abandon_tensorboard(self._tb)
+                self._tb = None
+                raise OSError(f"TensorBoard's event writer in {os.path.dirname(self.path)} "
+                              "stopped after a failed write (disk full?)")
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
@@ -134,6 +141,13 @@ class MetricsWriter:
             _close_tensorboard(self._tb, report=finished)
 
 
+def _tensorboard_alive(tb) -> bool:
+    """Whether tensorboardX's event-writer thread still runs (it ends on a write error)."""
+    worker = getattr(getattr(getattr(tb, "file_writer", None), "event_writer", None),
+                     "_worker", None)
+    return worker is None or worker.is_alive()
+
+
 def _close_tensorboard(tb, *, report: bool) -> None:
     """Close a tensorboardX writer; where its files cannot be flushed (a full disk), stop its
     writer threads and mark them closed, so that neither this call nor tensorboardX's exit
@@ -144,9 +158,15 @@ def _close_tensorboard(tb, *, report: bool) -> None:
     except OSError as e:
         if report:  # a failed run's own error says more
             print(f"TensorBoard files in {tb.logdir} were not flushed: {e}")
-        for writer in (tb.all_writers or {}).values():
-            events = writer.event_writer
-            worker = getattr(events, "_worker", None)
-            if worker is not None:
-                worker.stop()
-            events._closed = True  # what tensorboardX checks before flushing again
+        _abandon_tensorboard(tb)
+
+
+def _abandon_tensorboard(tb) -> None:
+    """Stop a tensorboardX writer's threads and mark its files closed without flushing, so
+    that neither a later call nor tensorboardX's exit hook writes (or waits on) them."""
+    for writer in (tb.all_writers or {}).values():
+        events = writer.event_writer
+        worker = getattr(events, "_worker", None)
+        if worker is not None and worker.is_alive():
+            worker.stop()
+        events._closed = True  # what tensorboardX checks before flushing again

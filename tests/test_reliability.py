@@ -837,3 +837,33 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(tmp_path):
     assert sum("killed" in line for line in log) >= 8, log
     assert any("during a save" in line for line in log), log
     assert kill_resume.compare(ref, killed) == []
+
+
+def test_dead_tensorboard_writer_stops_the_run_instead_of_hanging(tmp_path):
+    """A full disk ends tensorboardX's writer thread; the next step's metrics must stop the
+    run with an OSError (the one-line resume-hint path), not block forever on TensorBoard's
+    bounded queue (a record of more scalars than the queue holds). Its metrics line is
+    written first."""
+    import threading
+
+    from ba_jax import metrics as metrics_lib
+
+    w = metrics_lib.MetricsWriter(str(tmp_path), total_steps=3, progress=False)
+    assert w._tb is not None, "tensorboardX is a dependency: its writer must start"
+    w.write(1, {"loss": 1.0})
+    w._tb.file_writer.event_writer._worker.stop()  # ended, as a failed write ends it
+    out = {}
+
+    def write():
+        try:
+            w.write(2, {f"m{i}": float(i) for i in range(50)})
+        except OSError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the metrics write blocked on a dead TensorBoard writer"
+    assert "TensorBoard" in str(out.get("error"))
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+    w.close(finished=False)
