@@ -583,6 +583,8 @@ ORPHAN_CALLER = """
 import sys
 from ba_jax.rewards import code, sandbox
 sandbox._WORK_ROOT = sys.argv[1]
+sandbox.isolation()  # the probe's own short run under a slot uid ends before the marker
+print('probed', flush=True)
 code.check_program('import time; time.sleep(1000)', [{'input': '', 'output': 'x'}],
                    timeout_s=600)
 """
@@ -619,10 +621,13 @@ def test_launcher_and_program_die_with_a_killed_caller(iso, work_root):
     from ba_jax.rewards import sandbox_slots
 
     caller = subprocess.Popen([sys.executable, "-c", ORPHAN_CALLER, str(work_root)], cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": REPO})
+                              env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE)
     uids = range(code.UID_BASE, code.UID_BASE + code.NUM_SLOTS)
     tree, pidfds, program_uid = [], {}, None
     try:
+        # The caller probes the isolation first: the probe runs its own program under a slot
+        # uid and ends, so a slot-uid process seen before the marker may be gone a moment later.
+        assert caller.stdout.readline() == b"probed\n", "the caller died while probing"
         deadline = time.monotonic() + 120
         while program_uid is None:  # the program runs: a descendant under a slot uid
             assert caller.poll() is None and time.monotonic() < deadline, "no program started"
