@@ -10,6 +10,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
@@ -76,17 +77,55 @@ def test_completed_run_is_not_restarted(tmp_path):
     assert len(read_metrics(str(tmp_path))) == 2
 
 
-def test_sharded_step_equals_single_device(tmp_path):
-    """Rows over 8 CPU devices (data=4, fsdp=2) give the parameters of a 1-device mesh."""
-    assert jax.device_count() == 8
-    one = debug_config(**{"num_train_steps": 2, "mesh.data": 1})
-    eight = debug_config(**{"num_train_steps": 2, "mesh.data": 4, "mesh.fsdp": 2})
-    train.train_and_evaluate(one, str(tmp_path / "one"), devices=jax.devices()[:1])
-    train.train_and_evaluate(eight, str(tmp_path / "eight"))
-    _, p1, _ = params_of(str(tmp_path / "one"))
-    _, p8, _ = params_of(str(tmp_path / "eight"))
-    for a, b in zip(p1, p8):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+def _random_batch(cfg, seed=0):
+    """One step's rows of `cfg`'s shapes: random prompts and responses of random lengths, a
+    random non-zero advantage per group member (so the RL gradient is not zero)."""
+    P, G, R = cfg.rollout.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.max_new_tokens
+    B, Tp, V = P * G, 16, cfg.model.vocab_size
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, R + 1, size=B)
+    return dict(
+        prompt_tokens_BT=rng.integers(0, V, size=(B, Tp)).astype(np.int32),
+        prompt_mask_BT=(np.arange(Tp)[None] >= rng.integers(0, Tp - 1, size=(B, 1))).astype(
+            np.int32),
+        tokens_BR=rng.integers(0, V, size=(B, R)).astype(np.int32),
+        mask_BR=(np.arange(R)[None] < lengths[:, None]).astype(np.float32),
+        adv_B=(rng.standard_normal(B) + 0.5).astype(np.float32),
+        group_id_B=np.repeat(np.arange(P), G).astype(np.int32))
+
+
+def test_sharded_step_equals_single_device():
+    """The jitted train step with rows over 8 CPU devices (data=4, fsdp=2) computes the loss,
+    gradient norm and gradient of the 1-device step on a batch with a non-zero RL gradient.
+    Plain SGD (lr 1) makes the parameter change the gradient itself: Adam's first step is
+    about lr * sign(g), which turns float rounding in near-zero gradient entries into full
+    steps of either sign and so compares nothing but noise there."""
+    over = {"grpo.num_microbatches": 2}
+    one = debug_config(**over, **{"mesh.data": 1})
+    eight = debug_config(**over, **{"mesh.data": 4, "mesh.fsdp": 2})
+    batch = _random_batch(one)
+    sgd = optax.sgd(1.0)
+    results = []
+    for cfg, n in ((one, 1), (eight, 8)):
+        mesh = build.make_mesh(cfg, jax.devices()[:n])
+        graphdef, params = build.init_policy(cfg, mesh)
+        if not results:  # the policy's own log-probs as the old ones: every ratio is 1
+            old = train.make_reference_fn(1, graphdef, params, mesh)
+            batch["old_logp_BR"] = np.asarray(old(params, batch))
+        before = jax.tree.leaves(jax.device_get(params))
+        state = train.init_state(params, sgd, mesh)
+        step = train.make_train_step(build.loss_settings(cfg), graphdef, sgd, state, mesh,
+                                     num_groups=cfg.rollout.prompts_per_step)
+        state, out = step(state, jax.device_put(batch, sharding.batch_sharding(mesh)))
+        after = jax.tree.leaves(jax.device_get(state["params"]))
+        results.append((jax.device_get(out), [b - a for b, a in zip(before, after)]))
+    (m1, g1), (m8, g8) = results
+    assert m1["nonfinite"] == m8["nonfinite"] == 0.0
+    assert float(m1["grad_norm"]) > 1e-3  # a real gradient, not the zero of degenerate groups
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "weight_sum"):
+        np.testing.assert_allclose(m8[key], m1[key], rtol=2e-5, err_msg=key)
+    for a, b in zip(g1, g8):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5 * float(np.abs(a).max()))
 
 
 def test_misspelled_override_is_an_error(tmp_path):
