@@ -32,19 +32,33 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from ba_jax import integrity
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be restored or saved; the message names it and the cause.
 
     `reason`: the cause alone, in a few words (what the message quotes)."""
 
-    def __init__(self, message: str, reason: str = ""):
+    def __init__(self, message: str, reason: str = "", step: int | None = None):
         super().__init__(message)
         self.reason = reason or message
+        self.step = step  # a failed save's step (with async saves: maybe an earlier one)
 
 
 class NoSuchStep(CheckpointError):
     """A step was asked for that the folder does not hold; the message lists those it holds."""
+
+
+class NonFiniteState(CheckpointError):
+    """A state with a NaN or an infinity was about to be saved: it never is."""
+
+
+INTEGRITY_KEY = "integrity"  # the side-car's path -> checksum of every saved array
+
+
+def _first(paths: list[str]) -> str:
+    return paths[0] + (f" and {len(paths) - 1} more" if len(paths) > 1 else "")
 
 
 def summarize(e: BaseException) -> str:
@@ -136,13 +150,18 @@ def _shapes(tree: Any) -> dict[str, tuple]:
 class Checkpointer:
     """Save and restore (state pytree, JSON metadata) pairs under `directory`."""
 
-    def __init__(self, directory: str, *, max_to_keep: int = 2):
+    def __init__(self, directory: str, *, max_to_keep: int = 2, async_save: bool = False):
+        """`async_save`: `save` returns once the arrays are in host memory (Orbax copies
+        them before it returns, so the caller may donate or overwrite them) and the write
+        and commit go on in a background thread; `wait` blocks until they are done."""
         self.directory = os.path.abspath(directory)
+        self.async_save = async_save
+        self._pending: tuple[int, _Held] | None = None  # a save not known to be committed
         os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
-            enable_async_checkpointing=False,  # a save returns only once it is durable
+            enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,  # partial saves of a killed run are removed
         )
         self._manager = ocp.CheckpointManager(
@@ -159,26 +178,61 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Write `state` (arrays) and `meta` (JSON-serialisable) as checkpoint `step`; a failed
-        write is a CheckpointError naming the step, with the cause as its `reason`."""
-        with _Held() as held:
-            try:
-                self._manager.save(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-                    ),
-                    force=True,
-                )
-                self._manager.wait_until_finished()
-                return
-            except Exception as e:  # noqa: BLE001 - an OSError, or TensorStore's ValueError
-                held.failed = True
-                reason, detail = summarize(e), "".join(traceback.format_exception(e))
-            held.settle()  # what the failed write left behind reports now, held
+        """Write `state` (arrays) and `meta` (JSON-serialisable) as checkpoint `step`, with
+        the checksum of every array in the side-car (`integrity`); a failed write is a
+        CheckpointError naming the step, with the cause as its `reason`; a state with a
+        non-finite value is refused (NonFiniteState) before anything is written."""
+        check = integrity.summary(state)
+        bad = integrity.nonfinite(check)
+        if bad:
+            raise NonFiniteState(
+                f"refusing to save checkpoint step {step} in {self.directory}: non-finite "
+                f"values in {_first(bad)}", "non-finite state")
+        meta = dict(meta, **{INTEGRITY_KEY: {p: c for p, (_, c) in check.items()}})
+        self.wait()  # the previous save, if still in flight: its failure is its own
+        # Held from here until the save is committed (`wait`): what Orbax's background
+        # threads log or leave unraised about a failed write becomes the error's notes
+        held = _Held().__enter__()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - an OSError, or TensorStore's ValueError
+            self._raise(step, held, e)
+        self._pending = (step, held)
+        if not self.async_save:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; its failure is a
+        CheckpointError naming its step."""
+        if self._pending is None:
+            return
+        (step, held), self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - what the background write raised
+            self._raise(step, held, e)
+        held.__exit__(None, None, None)
+
+    def _raise(self, step: int, held: _Held, e: Exception):
+        """A failed save of `step` as a CheckpointError with the cause as its `reason` and
+        what Orbax and TensorStore reported on the way as its notes."""
+        held.failed = True
+        reason, detail = summarize(e), "".join(traceback.format_exception(e))
+        held.settle()  # what the failed write left behind reports now, held
+        held.__exit__(None, None, None)
         raise _noted(CheckpointError(
-            f"saving checkpoint step {step} in {self.directory} failed: {reason}", reason),
-            [detail, *held.kept])
+            f"saving checkpoint step {step} in {self.directory} failed: {reason}", reason,
+            step=step), [detail, *held.kept]) from e
+
+    def read_meta(self, step: int) -> dict | None:
+        """Checkpoint `step`'s JSON side-car alone (no array is read); None if unreadable."""
+        try:
+            with _Held(level=logging.WARNING, replay=False):
+                return dict(self._manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        except Exception:  # noqa: BLE001 - the restore that follows names the problem
+            return None
 
     def mismatch(self, step: int, abstract: Any) -> str | None:
         """Why checkpoint `step` does not fit `abstract` (arrays or ShapeDtypeStructs): the
@@ -221,11 +275,31 @@ class Checkpointer:
         raise _noted(error, [detail, *held.kept])
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restore checkpoint `step` into the shapes/shardings of `abstract_state`."""
+        """Restore checkpoint `step` into the shapes/shardings of `abstract_state`, checked:
+        every array finite and, where the side-car has checksums, bit for bit what was
+        saved (a CheckpointError naming the arrays otherwise)."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
         out = self._restore(step, ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()), abstract)
-        return out["state"], dict(out["meta"])
+        meta = dict(out["meta"])
+        self._verify(step, out["state"], meta.get(INTEGRITY_KEY))
+        return out["state"], meta
+
+    def _verify(self, step: int, state: Any, saved: dict | None) -> None:
+        """A CheckpointError when restored `state` holds a non-finite value or differs from
+        the checksums `saved` with it (None: a checkpoint written before they were kept)."""
+        check = integrity.summary(state)
+        changed = integrity.differing(check, saved or {})
+        bad = integrity.nonfinite(check)
+        if not changed and not bad:
+            return
+        path = os.path.join(self.directory, str(step))
+        reason = (f"the bits of {_first(changed)} differ from what was saved (checksums)"
+                  if changed else f"non-finite values in {_first(bad)}")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {reason}. Use "
+            "--config.checkpoint.fallback_to_previous=True to resume from an older step",
+            reason)
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only `state["params"]` of checkpoint `step`, in the shapes/shardings of
@@ -237,7 +311,9 @@ class Checkpointer:
         abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)}
         out = self._restore(step, ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-            partial_restore=True)), abstract)
+            partial_restore=True), meta=ocp.args.JsonRestore()), abstract)
+        self._verify(step, {"params": out["state"]["params"]},
+                     dict(out["meta"]).get(INTEGRITY_KEY))
         return out["state"]["params"]
 
     def restore_latest(
@@ -283,8 +359,24 @@ class Checkpointer:
             logging.warning("moved unreadable checkpoint %d to %s", step, dst)
         self._manager.reload()
 
-    def close(self) -> None:
-        self._manager.close()
+    def close(self, *, quiet: bool = False) -> None:
+        """Wait for the save in flight, then close. Its failure is raised, or with `quiet`
+        (the caller is already stopping on an error of its own) logged."""
+        error = None
+        try:
+            self.wait()
+        except CheckpointError as e:
+            error = e
+        with _Held(replay=error is None and not quiet):  # Orbax repeats a failed finalize
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001 - reported above, or the caller's error is
+                if error is None and not quiet:
+                    raise
+        if error is not None:
+            if not quiet:
+                raise error
+            logging.warning("%s", error)
 
 
 def _noted(error: CheckpointError, notes: list[str]) -> CheckpointError:

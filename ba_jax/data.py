@@ -102,6 +102,7 @@ class PromptDataset:
     # rows_read, kept, and the drop reasons: duplicates_dropped, too_long, no_answer,
     # malformed, empty_prompt, empty_row; then FLOAT_ANSWER_COUNTS (of the kept prompts).
     stats: dict[str, int]
+    source: str = ""  # the file or folder it was read from (DataConfig.path)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -414,7 +415,7 @@ def load_prompts(config: DataConfig, tokenizer) -> PromptDataset:
     # Chat templates write their own special tokens; a plain prompt gets the tokenizer's
     # usual ones (a BOS for models that expect one).
     add_special = config.template == "plain"
-    dataset = PromptDataset([], [], [], reward_rule, stats)
+    dataset = PromptDataset([], [], [], reward_rule, stats, source=config.path)
     for start in range(0, len(texts), _TOKENIZE_CHUNK):
         chunk = texts[start : start + _TOKENIZE_CHUNK]
         ids_chunk = tokenizer(chunk, add_special_tokens=add_special)["input_ids"]
@@ -479,8 +480,14 @@ class PromptIterator:
             "num_items": self.num_items,
         }
 
-    def restore(self, state: dict[str, int]) -> None:
-        """Continue from a `state()`; the seed and item count must match this iterator's."""
+    def restore(self, state: dict[str, int], *, adapt: bool = False) -> None:
+        """Continue from a `state()`; the seed and item count must match this iterator's,
+        unless `adapt` (a resume that accepted changed data or seed: the same epoch and
+        position in this iterator's order, the position cut to its item count)."""
+        if adapt:
+            self.epoch = int(state["epoch"])
+            self.position = min(int(state["position"]), self.num_items)
+            return
         for key in ("seed", "num_items"):
             if key in state and int(state[key]) != getattr(self, key):
                 raise ValueError(

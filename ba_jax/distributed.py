@@ -63,6 +63,13 @@ def all_processes(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([flag]))))
 
 
+def any_process(flag: bool) -> bool:
+    """True when `flag` is true on some process (all processes call it at the same point)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
 def gather_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Concatenate per-process host rows in process order (identity with one process)."""
     if jax.process_count() == 1:

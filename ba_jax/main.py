@@ -7,6 +7,8 @@ error rather than a silently ignored option. An error a user can act on is one l
 `--verbose`. No logic lives here.
 """
 
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -21,12 +23,15 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from ba_jax import checkpoint, distributed, plot, run_config, train
+    from ba_jax import checkpoint, distributed, plot, preemption, run_config, train
 
     distributed.maybe_initialize()  # several processes: join them before touching devices
 
     try:
         print(train.run_training(_CONFIG.value, _WORKDIR.value))
+    except preemption.Stopped as e:  # SIGTERM/SIGINT: saved, and the way to resume said
+        print(f"ba_jax: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except (run_config.ConfigError, checkpoint.CheckpointError, FloatingPointError) as e:
         cli.fail("ba_jax", e, verbose=_VERBOSE.value, log_dir=_WORKDIR.value)
     except OSError as e:  # a write to the workdir failed during the run (disk full, ...)

@@ -18,10 +18,12 @@ the whole mini-batch, before it is cut into micro-batches (spec: aggregation.md)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -41,7 +43,10 @@ from ba_jax import (
     distributed,
     experience,
     grpo,
+    integrity,
     optim,
+    preemption,
+    resume,
     run_config,
     sharding,
     workdir_lock,
@@ -63,7 +68,8 @@ def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
 
 
 def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_groups: int):
-    """One optimizer step on one mini-batch; a non-finite loss/grad leaves state unchanged."""
+    """One optimizer step on one mini-batch; a non-finite loss, gradient, new parameter or
+    optimizer moment leaves the state unchanged (counted in `nonfinite`)."""
     rule = aggregation.resolve_rule(loss.aggregation)
     w_BR = aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"], batch["group_id_B"],
                                      num_groups, **loss.rule_options)
@@ -72,9 +78,12 @@ def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_group
     total, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch,
                                                   loss.num_microbatches)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    # the new state itself, not only loss and gradient: a finite gradient can still overflow
+    # a parameter or a moment (a huge step, a damaged restore), and that state would be saved
+    finite = (jnp.isfinite(total) & jnp.isfinite(grad_norm) & integrity.all_finite(params)
+              & integrity.all_finite(opt_state))
     keep = lambda new, old: jnp.where(finite, new, old)
     new_state = dict(
         params=jax.tree.map(keep, params, state["params"]),
@@ -165,14 +174,29 @@ def _config_json(cfg) -> str:
     return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
 
 
-def _save(ckpt, step: int, state, iterator, cfg) -> float:
-    """Checkpoint `step`; a failed write (disk full, permissions) stops the run with the
-    previous checkpoint intact (Orbax writes to a temporary folder and renames it)."""
+def _save(ckpt, step: int, state, iterator, cfg, fingerprint: dict) -> float:
+    """Checkpoint `step` with what a resume checks (the config, the data's fingerprint) ->
+    the seconds it blocked (with async saves: the copy to host memory, and the wait for
+    the previous save if it was still being written)."""
     t0 = time.perf_counter()
-    try:
+    with _save_errors(ckpt, step):
         ckpt.save(step, state, dict(step=step, data_iterator=iterator.state(),
-                                    config=_config_json(cfg)))
+                                    config=_config_json(cfg), data_fingerprint=fingerprint))
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _save_errors(ckpt, step: int):
+    """A failed write (disk full, permissions) stops the run with the previous checkpoint
+    intact (Orbax writes to a temporary folder and renames it) and says so."""
+    try:
+        yield
+    except checkpoint.NonFiniteState:
+        raise
     except (OSError, checkpoint.CheckpointError) as e:  # Orbax's own, or TensorStore's
+        step = getattr(e, "step", None) or step  # an asynchronous save fails later
+        with contextlib.suppress(checkpoint.CheckpointError, OSError):
+            ckpt.wait()  # an earlier save still in flight commits (or fails) first
         prev = [s for s in ckpt.steps() if s < step]
         reason = getattr(e, "reason", None) or checkpoint.summarize(e)
         raise checkpoint.CheckpointError(
@@ -180,7 +204,6 @@ def _save(ckpt, step: int, state, iterator, cfg) -> float:
             + (f"the previous checkpoint (step {prev[-1]}) is intact: fix the cause and run "
                "again to resume from it" if prev else "no earlier checkpoint exists"),
             reason) from e
-    return time.perf_counter() - t0
 
 
 def minibatch(batch: dict[str, np.ndarray], m: int, M: int, Pg: int, G: int) -> dict[str, np.ndarray]:
@@ -297,14 +320,32 @@ def run_training(cfg, workdir: str, *, devices: list | None = None) -> str:
     devices = jax.devices() if devices is None else devices
     run_config.validate(cfg, len(devices))
     run_config.check_workdir(workdir)
-    with workdir_lock.hold(workdir):  # one run per workdir; released on return, error or death
-        return _run(cfg, workdir, devices)
+    # one run per workdir (released on return, error or death); SIGTERM/SIGINT stop it after
+    # the step in flight, with a checkpoint (preemption.Stopped)
+    with workdir_lock.hold(workdir), preemption.StopRequest() as stop:
+        return _run(cfg, workdir, devices, stop)
 
 
 train_and_evaluate = run_training  # the name scripts and tests used before
 
 
-def _run(cfg, workdir: str, devices: list) -> str:
+def _stop(stop: preemption.StopRequest, ckpt, step: int, saved: bool, save) -> None:
+    """If a stop was asked for on any process (all agree, at the same step): save `step`
+    unless `saved`, wait until the save is committed, and raise `preemption.Stopped`."""
+    if not distributed.any_process(stop.requested):
+        return
+    if not saved:
+        save()
+    with _save_errors(ckpt, step):
+        ckpt.wait()
+    signum = stop.signum or signal.SIGTERM  # another process got it
+    raise preemption.Stopped(
+        f"stopped by {preemption.signal_name(signum)} after step {step}: checkpoint step "
+        f"{step} in {ckpt.directory} is committed and its metrics written; run the same "
+        "command again to resume", signum)
+
+
+def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
     """The body of `run_training`, run while holding the workdir lock."""
     mesh = build.make_mesh(cfg, devices)
     tokenizer = build.load_tokenizer(cfg, workdir)
@@ -318,25 +359,45 @@ def _run(cfg, workdir: str, devices: list) -> str:
     tx, schedule = build.make_optimizer(cfg)
     state = init_state(params, tx, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                   max_to_keep=cfg.checkpoint.max_to_keep)
+                                   max_to_keep=cfg.checkpoint.max_to_keep,
+                                   async_save=bool(cfg.checkpoint.async_save))
     P = cfg.rollout.prompts_per_step
     iterator = data.PromptIterator(len(prompt_set.prompt_ids), P, cfg.seed)
+    fingerprint = resume.data_fingerprint(prompt_set)
+    compare = functools.partial(resume.check, config=cfg.to_dict(), data=fingerprint,
+                                allow=bool(cfg.resume_changed_config))
+    latest = ckpt.latest_step()
+    if latest is not None:  # before the arrays are read: a changed experiment is refused now
+        compare(ckpt.read_meta(latest) or {}, where=f"checkpoint {latest} in {ckpt.directory}")
     restored = ckpt.restore_latest(state, fallback_to_previous=cfg.checkpoint.fallback_to_previous)
+    config_changes = ""
     if restored is not None:
         _, state, meta = restored
-        iterator.restore(meta["data_iterator"])
         start = int(meta["step"])
-        print(f"resumed from {ckpt.directory} at step {start}")
+        config_changes = compare(meta, where=f"checkpoint {start} in {ckpt.directory}")
+        try:
+            iterator.restore(meta["data_iterator"], adapt=bool(config_changes))
+        except ValueError as e:  # a checkpoint from before data fingerprints were kept
+            raise run_config.ConfigError(
+                f"checkpoint {start} in {ckpt.directory}: {e}; pass "
+                "--config.resume_changed_config=True to continue with this data") from e
+        print(f"resumed from {ckpt.directory} at step {start}"
+              + (f" with a changed config ({config_changes})" if config_changes else ""))
     else:
         start = 0
         state = prepare_policy(build.warmup_settings(cfg), graphdef, state, prompt_set,
                                tokenizer, mesh, tx)
-        _save(ckpt, 0, state, iterator, cfg)
+        _save(ckpt, 0, state, iterator, cfg, fingerprint)
     summary = (f"metrics {workdir}/metrics.jsonl, plots {os.path.join(workdir, 'plots')}, "
                f"checkpoint {ckpt.directory}")
     if start >= cfg.num_train_steps:
         ckpt.close()
         return f"run complete ({start} steps) in {workdir}: {summary}"
+    try:  # a signal during start-up (loading, warm-up): stop before the first step
+        _stop(stop, ckpt, start, True, None)
+    except BaseException:
+        ckpt.close(quiet=True)
+        raise
 
     g, r = cfg.grpo, cfg.rollout
     upd = make_updater(build.loss_settings(cfg), graphdef, tx, state, mesh,
@@ -388,21 +449,30 @@ def _run(cfg, workdir: str, devices: list) -> str:
                 step_s=t2 - t0, update_s=t2 - t1, checkpoint_s=last_save_s)
             # The line is written before the checkpoint: a kill in between resumes from the
             # previous checkpoint and rewrites this step, so no step is ever missing.
+            if config_changes:  # the resume's accepted changes, once, on its first step
+                record["config_changes"], config_changes = config_changes, ""
             writer.write(it, record)
             last_save_s = 0.0
-            if it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps:
-                last_save_s = _save(ckpt, it, state, iterator, cfg)
+            save = functools.partial(_save, ckpt, it, state, iterator, cfg, fingerprint)
+            saved = it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps
+            if saved:
+                last_save_s = save()
             if nonfinite_run >= cfg.max_consecutive_nonfinite:
+                with _save_errors(ckpt, it):
+                    ckpt.wait()
                 raise FloatingPointError(
-                    f"{nonfinite_run} steps in a row had a non-finite loss or gradient (last at "
-                    f"step {it}); parameters were left unchanged by each of them. The last "
-                    f"checkpoint in {ckpt.directory} is intact; lower "
-                    "config.optim.learning_rate or inspect the data.")
+                    f"{nonfinite_run} steps in a row had a non-finite loss, gradient or new "
+                    f"state (last at step {it}); each left the state unchanged. The last "
+                    f"checkpoint (step {ckpt.latest_step()} in {ckpt.directory}) was checked "
+                    "finite when saved; lower config.optim.learning_rate or inspect the data.")
+            _stop(stop, ckpt, it, saved, save)
+        with _save_errors(ckpt, cfg.num_train_steps):
+            ckpt.wait()  # the last save committed before the run counts as finished
         finished = True
     finally:
         writer.close(finished=finished)  # a failed run's bar is not left at 100%
         scorer.close()
-        ckpt.close()
+        ckpt.close(quiet=not finished)
         if engine is not None:
             engine.close()
     return f"finished {cfg.num_train_steps} steps: {summary}"

@@ -292,7 +292,7 @@ class VllmEngine:
                 [self.python, WORKER, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=_worker_env(self.python, env, verbose),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT)
+                cwd=REPO_ROOT, start_new_session=True)  # group signals are the trainer's
         except OSError as e:
             ours.close()
             raise VllmEngineError(f"could not start {self.python} ({e}); {FIX}") from e

@@ -130,9 +130,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              grad_clip=1.0, warmup_steps=5, b1=0.9, b2=0.99)
     )
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1: all devices
+    # fallback_to_previous: resume from the newest checkpoint that restores whole (finite,
+    # checksums as saved), setting damaged ones aside; async_save: a save is written while
+    # the next steps run (Orbax's async checkpointing; each step's metrics line still comes
+    # first, and a stop waits for the save in flight).
     c.checkpoint = ml_collections.ConfigDict(
-        dict(every_steps=50, max_to_keep=2, fallback_to_previous=False)
+        dict(every_steps=50, max_to_keep=2, fallback_to_previous=False, async_save=True)
     )
+    # A resume whose config or data differ from the checkpoint's in a key that changes the
+    # experiment is refused (ba_jax.resume lists the keys that may change); True continues
+    # with the new values and records the changes in metrics.jsonl (`config_changes`).
+    c.resume_changed_config = False
     # Scoring: per-item wall-clock limit, pool size (0: one per CPU, at most 8), and
     # whether the regex-only DAPO rule is scored in-process (math-verify never is).
     c.reward = ml_collections.ConfigDict(dict(timeout_s=5.0, num_workers=0, inline_dapo=True))

@@ -8,6 +8,11 @@ the run completes. The finished run must have identical parameters and identical
 metrics (timing fields excepted) for every step, and every checkpoint left must restore.
 
     .venv/bin/python scripts/kill_resume.py --trials 10 --steps 6
+    .venv/bin/python scripts/kill_resume.py --signal TERM --trials 8 --steps 12 --every_steps 4
+
+`--signal TERM` (or INT) checks the preemption path instead: each launch is stopped by the
+signal at a random moment in the loop (or during a save; every fourth twice) and must stop
+after the step in flight with a committed checkpoint there (`signalled_run`).
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ TIMING = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", 
           "sampling_time_share", "tokens_per_s", "weight_sync_time_s")
 
 
-def command(workdir: str, steps: int) -> list[str]:
+def command(workdir: str, steps: int, every_steps: int = 1) -> list[str]:
     return [sys.executable, "-m", "ba_jax.main", "--config=configs/default.py:debug",
             f"--workdir={workdir}", f"--config.num_train_steps={steps}",
-            "--config.checkpoint.every_steps=1", "--config.checkpoint.max_to_keep=2"]
+            f"--config.checkpoint.every_steps={every_steps}", "--config.checkpoint.max_to_keep=2"]
 
 
 def env(cache_dir: str) -> dict:
@@ -43,8 +48,8 @@ def env(cache_dir: str) -> dict:
     return e
 
 
-def run_to_end(workdir: str, steps: int, cache_dir: str) -> None:
-    subprocess.run(command(workdir, steps), cwd=REPO, env=env(cache_dir), check=True,
+def run_to_end(workdir: str, steps: int, cache_dir: str, every_steps: int = 1) -> None:
+    subprocess.run(command(workdir, steps, every_steps), cwd=REPO, env=env(cache_dir), check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
 
 
@@ -80,6 +85,83 @@ def killed_run(workdir: str, steps: int, cache_dir: str, trials: int, max_delay_
             log.append(f"trial {trial}: finished before the kill")
         proc.stderr.close()
     run_to_end(workdir, steps, cache_dir)  # resume to completion
+    log.append("resumed to completion")
+    return log
+
+
+def _lines(workdir: str) -> int:
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return sum(1 for line in f if line.endswith("\n"))
+    except OSError:
+        return 0
+
+
+def _committed_steps(workdir: str) -> list[int]:
+    try:
+        return sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
+                      if d.isdigit())
+    except OSError:
+        return []
+
+
+def signalled_run(workdir: str, steps: int, cache_dir: str, trials: int, rng: random.Random,
+                  signum: int = signal.SIGTERM, every_steps: int = 1,
+                  max_delay_s: float = 0.5) -> list[str]:
+    """Stop/restart by `signum` until the run completes: each launch gets the signal at a
+    random moment once it is past start-up (a metrics line of its own written), every third
+    one the moment a save is seen in progress, every fourth one twice (the second stops it at
+    once). After a single signal the run must exit with 128 + signum, its last stderr line
+    saying where it stopped, with a committed checkpoint at that step and exactly one
+    metrics line per step up to it: nothing is redone by the resume. Returns a log line per
+    launch; raises AssertionError on a broken promise."""
+    log = []
+    for trial in range(trials):
+        base = _lines(workdir)
+        proc = subprocess.Popen(command(workdir, steps, every_steps), cwd=REPO,
+                                env=env(cache_dir), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        during_save, twice = trial % 3 == 2, trial % 4 == 3
+        delay, t_in = rng.uniform(0.0, max_delay_s), None
+        while proc.poll() is None:
+            if t_in is None and _lines(workdir) > base:
+                t_in = time.monotonic()  # in the loop: this launch wrote a step
+            if t_in is not None and ((during_save and saving(workdir))
+                                     or (not during_save and time.monotonic() - t_in >= delay)
+                                     or time.monotonic() - t_in > 10):
+                break
+            time.sleep(0.002)
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode()[-2000:]
+            proc.stderr.close()
+            assert proc.returncode == 0, f"trial {trial}: rc {proc.returncode}:\n{err}"
+            log.append(f"trial {trial}: finished before the signal")
+            break
+        where = "during a save" if during_save and saving(workdir) else "in the loop"
+        proc.send_signal(signum)
+        in_flight = _lines(workdir) + 1  # at the latest: the step after the last line seen
+        if twice:
+            time.sleep(0.05)
+            proc.send_signal(signum)
+        err = proc.communicate(timeout=300)[1].decode(errors="replace")
+        lines = [line for line in err.replace("\r", "\n").split("\n") if line.strip()]
+        if proc.returncode == -signum and _lines(workdir) == steps and _committed_steps(
+                workdir)[-1] == steps:  # the run had ended: the signal came during its plots
+            log.append(f"trial {trial}: signalled after the run ended")
+            break
+        assert proc.returncode == 128 + signum, (trial, proc.returncode, err[-3000:])
+        assert "Traceback" not in err, err[-3000:]
+        if twice:
+            log.append(f"trial {trial}: signalled twice {where}: stopped at once")
+            continue
+        done = _lines(workdir)
+        stop_line = f"ba_jax: stopped by {signal.Signals(signum).name} after step {done}: "
+        assert lines[-1].startswith(stop_line), (stop_line, lines[-3:])
+        assert _committed_steps(workdir)[-1] == done, (done, _committed_steps(workdir))
+        assert done <= in_flight, f"stopped after step {done}, the signal came in {in_flight}"
+        log.append(f"trial {trial}: signalled {where}: stopped after step {done} "
+                   f"(launch started at {base})")
+    run_to_end(workdir, steps, cache_dir, every_steps)
     log.append("resumed to completion")
     return log
 
@@ -135,13 +217,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max_delay_s", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--signal", choices=("KILL", "TERM", "INT"), default="KILL",
+                    help="KILL: kill -9 anywhere; TERM/INT: the preemption path (stop after "
+                         "the step in flight, checked: exit status, stop line, checkpoint)")
+    ap.add_argument("--every_steps", type=int, default=1, help="checkpoint interval")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="ba_jax_kill_")
     cache = os.path.join(root, "jax_cache")
     ref, killed = os.path.join(root, "ref"), os.path.join(root, "killed")
-    run_to_end(ref, args.steps, cache)
-    for line in killed_run(killed, args.steps, cache, args.trials, args.max_delay_s,
-                           random.Random(args.seed)):
+    run_to_end(ref, args.steps, cache, args.every_steps)
+    if args.signal == "KILL":
+        log = killed_run(killed, args.steps, cache, args.trials, args.max_delay_s,
+                         random.Random(args.seed))
+    else:
+        log = signalled_run(killed, args.steps, cache, args.trials, random.Random(args.seed),
+                            getattr(signal, f"SIG{args.signal}"), args.every_steps,
+                            min(args.max_delay_s, 0.5))
+    for line in log:
         print(line)
     problems = compare(ref, killed)
     print("identical to the uninterrupted run" if not problems else "\n".join(problems))

@@ -7,9 +7,12 @@ give the parameters and metrics of an uninterrupted single-process run on 8 devi
 """
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -30,7 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(workdir: str, steps: int) -> None:
+def _launch(workdir: str, steps: int) -> list[subprocess.Popen]:
     port = _free_port()
     args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     procs = []
@@ -43,6 +46,10 @@ def _two_processes(workdir: str, steps: int) -> None:
             [sys.executable, "-m", "ba_jax.main", "--config=configs/default.py:debug",
              f"--workdir={workdir}", f"--config.num_train_steps={steps}", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[str]:
     outs = []
     for p in procs:
         try:
@@ -52,7 +59,12 @@ def _two_processes(workdir: str, steps: int) -> None:
                 q.kill()
             raise
         outs.append(out.decode(errors="replace"))
-    for p, out in zip(procs, outs):
+    return outs
+
+
+def _two_processes(workdir: str, steps: int) -> None:
+    procs = _launch(workdir, steps)
+    for p, out in zip(procs, _wait(procs)):
         assert p.returncode == 0, out[-4000:]
 
 
@@ -75,3 +87,33 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
+    """SIGTERM to process 1 alone: both processes stop after the same step (they agree
+    through an all-gather after every step), both exit 143 with the same stop line, the
+    checkpoint of that step is committed, and the run resumes from it to the end."""
+    wd = str(tmp_path / "multi")
+    steps = 40
+    procs = _launch(wd, steps)
+    try:
+        deadline = time.monotonic() + 600
+        while len(read_metrics(wd)) < 2:  # past start-up: in the loop
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    outs = _wait(procs)
+    stops = [re.findall(r"ba_jax: stopped by SIGTERM after step (\d+): checkpoint", out)
+             for out in outs]
+    assert [p.returncode for p in procs] == [143, 143], [o[-3000:] for o in outs]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+    done = int(stops[0][0])
+    assert done < steps and [r["step"] for r in read_metrics(wd)] == list(range(1, done + 1))
+    assert params_of(wd)[0] == done
+    _two_processes(wd, done + 1)  # both resume from the committed step
+    assert [r["step"] for r in read_metrics(wd)] == list(range(1, done + 2))

@@ -394,7 +394,8 @@ def test_checkpoint_of_another_model_shape_is_named(tmp_path):
     wd = str(tmp_path)
     train.train_and_evaluate(debug_config(num_train_steps=1), wd)
     with pytest.raises(checkpoint.CheckpointError, match=os.path.join(wd, "checkpoints")):
-        train.train_and_evaluate(debug_config(**{"num_train_steps": 2, "model.hidden_size": 48}), wd)
+        train.train_and_evaluate(debug_config(**{"num_train_steps": 2, "model.hidden_size": 48,
+                                                 "resume_changed_config": True}), wd)
 
 
 def test_weights_folder_with_missing_tensor(tmp_path):
@@ -555,15 +556,21 @@ WALLS = [
      r"^ba_jax: --config=configs/default.py:x: configs/default.py: unknown variant 'x'", False),
     ("changed model with fallback_to_previous", lambda tmp, run: (
         "ba_jax.main", *MAIN, f"--workdir={_copy_of(run, tmp)}", "--config.num_train_steps=3",
-        "--config.model.hidden_size=48", "--config.checkpoint.fallback_to_previous=True"),
+        "--config.model.hidden_size=48", "--config.checkpoint.fallback_to_previous=True",
+        "--config.resume_changed_config=True"),
      r"^ba_jax: none of the checkpoints in .*/run/checkpoints \(steps 1, 0\) can be restored "
      r"into this run's state \(step 1: its params.embed_tokens.embedding has shape \(101, 32\), "
      r"this run's model \(101, 48\)\); .*use the config they were written with", True),
     ("changed model without fallback", lambda tmp, run: (
         "ba_jax.main", *MAIN, f"--workdir={_copy_of(run, tmp)}", "--config.num_train_steps=3",
-        "--config.model.num_layers=2"),
+        "--config.model.num_layers=2", "--config.resume_changed_config=True"),
      r"^ba_jax: checkpoint .*/run/checkpoints/1 cannot be restored into this run's state: its "
      r"params.layers.\S+ has shape \(1, .*this run's model \(2, ", True),
+    ("changed model refused", lambda tmp, run: (
+        "ba_jax.main", *MAIN, f"--workdir={_copy_of(run, tmp)}", "--config.num_train_steps=3",
+        "--config.model.num_layers=2"),
+     r"^ba_jax: checkpoint 1 in .*/run/checkpoints holds another experiment than this run: "
+     r"model.num_layers: 1 -> 2\. ", False),
 ]
 
 
@@ -633,7 +640,8 @@ def test_a_failed_save_stops_the_run_and_names_the_cause(tmp_path, monkeypatch, 
 
 def test_resume_of_another_model_with_fallback_names_the_array(trained_run, tmp_path):
     wd = _copy_of(trained_run, tmp_path)
-    cfg = debug_config(**{"model.hidden_size": 48, "checkpoint.fallback_to_previous": True})
+    cfg = debug_config(**{"model.hidden_size": 48, "checkpoint.fallback_to_previous": True,
+                          "resume_changed_config": True})
     with pytest.raises(checkpoint.CheckpointError) as info:
         train.train_and_evaluate(cfg, wd)
     assert "\n" not in str(info.value)

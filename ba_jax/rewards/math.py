@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ba_jax import preemption
+
 RULES = ("dapo", "boxed")
 # The value a rule gives a wrong (or unanswered, timed-out, crashed) response.
 WRONG_VALUE = {"dapo": -1.0, "boxed": 0.0}
@@ -253,7 +255,11 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     """Worker process: score (index, rule, response, ground_truth) messages until None."""
     global _in_pool_worker
     _in_pool_worker = True
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # A session of its own: Ctrl-C and a scheduler's SIGTERM to the trainer's process group
+    # are the trainer's to handle (it finishes the step in flight, which needs this worker);
+    # the trainer stops its workers itself, and a worker whose trainer died reads EOF.
+    preemption.detach_from_terminal()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" notices
     import math_verify  # noqa: F401  warm up so the first item's clock excludes the import
 
