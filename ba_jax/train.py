@@ -37,6 +37,7 @@ from ba_jax import (
     aggregation,
     build,
     checkpoint,
+    correction,
     data,
     distributed,
     experience,
@@ -57,7 +58,7 @@ def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
         logp_BR, mb["old_logp_BR"], mb["adv_B"], mb["w_BR"], mb["mask_BR"],
         eps_low=loss.eps_low, eps_high=loss.eps_high, dual_clip=loss.dual_clip,
         ref_logp_BT=mb.get("ref_logp_BR") if loss.kl_kind else None,
-        kl_kind=loss.kl_kind, kl_beta=loss.kl_beta)
+        kl_kind=loss.kl_kind, kl_beta=loss.kl_beta, pg_factor_BT=mb.get("pg_factor_BR"))
     m["entropy"] = jnp.sum(mb["mask_BR"] * ent_BR)
     return total, m
 
@@ -68,6 +69,9 @@ def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_group
     w_BR = aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"], batch["group_id_B"],
                                      num_groups, **loss.rule_options)
     batch = dict(batch, w_BR=w_BR)
+    if loss.correction.active:  # the rollout correction: row-wise, on the whole mini-batch
+        batch["pg_factor_BR"] = correction.pg_factor(
+            batch["old_logp_BR"], batch.pop("engine_logp_BR"), batch["mask_BR"], loss.correction)
     loss_fn = functools.partial(_loss_fn, graphdef=graphdef, loss=loss)
     total, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch,
                                                   loss.num_microbatches)
@@ -127,12 +131,6 @@ def make_reference_fn(num_microbatches: int, graphdef, ref_params, mesh):
 
     return jax.jit(ref, in_shardings=(jax.tree.map(lambda x: x.sharding, ref_params), row_sh),
                    out_shardings=row_sh)
-
-
-def _logp_diff(new_BR, old_BR, mask_BR):
-    """(sum of |new - old| over the mask, its max, the mask's count)."""
-    d_BR = jnp.where(mask_BR > 0, jnp.abs(new_BR - old_BR), 0.0)
-    return jnp.sum(d_BR), jnp.max(d_BR), jnp.sum(mask_BR)
 
 
 def replicate_unsharded(tree, mesh):
@@ -211,8 +209,11 @@ class Updater:
     groups_per_shard: int  # Pg: prompts of one sampling shard
     num_samples: int  # G
     num_updates: int  # passes over the mini-batches
-    old_fn: Any = None  # old log-probs recomputed by the trainer (None: the engine's)
-    diff_fn: Any = None  # the mismatch between the engine's log-probs and the trainer's
+    recompute: bool = False  # pi_old is the trainer's recomputation (else the engine's)
+    check_every: int = 0  # with the engine's pi_old: recompute and measure every N-th step
+    corr: correction.CorrectionSettings = correction.CorrectionSettings()
+    old_fn: Any = None  # the trainer's log-probs before the update (recompute or check)
+    stats_fn: Any = None  # the mismatch between the engine's log-probs and the trainer's
     ref_params: Any = None  # the frozen KL reference (None: no KL term)
     ref_fn: Any = None
 
@@ -221,8 +222,9 @@ def make_updater(loss: grpo.LossSettings, graphdef, tx, state, mesh, *, prompts_
                  sample_shards: int, num_samples: int, num_minibatches: int, num_updates: int,
                  recompute_old_logp: bool, compute_dtype) -> Updater:
     """The run's `Updater`: the train step, the reference (the starting policy in the
-    compute dtype, sharded like it) when the loss has a KL term, the old-log-prob recompute
-    when the engine's log-probs come from another implementation."""
+    compute dtype, sharded like it) when the loss has a KL term, the trainer's forward
+    before the update when it gives pi_old (`recompute_old_logp`) or checks the engine's
+    every `loss.correction.check_every` steps."""
     M, P = num_minibatches, prompts_per_step
     rep = NamedSharding(mesh, PS())
     upd = Updater(
@@ -236,16 +238,33 @@ def make_updater(loss: grpo.LossSettings, graphdef, tx, state, mesh, *, prompts_
         upd.ref_params = jax.jit(functools.partial(grpo.compute_copy, dtype=compute_dtype))(
             state["params"])
         upd.ref_fn = make_reference_fn(loss.num_microbatches, graphdef, upd.ref_params, mesh)
-    if recompute_old_logp:
+    upd.recompute, upd.corr = bool(recompute_old_logp), loss.correction
+    upd.check_every = loss.correction.check_every
+    if upd.recompute or upd.check_every > 0:
         upd.old_fn = make_reference_fn(loss.num_microbatches, graphdef, state["params"], mesh)
-        upd.diff_fn = jax.jit(_logp_diff, out_shardings=rep)
+        upd.stats_fn = jax.jit(functools.partial(correction.statistics, s=loss.correction),
+                               out_shardings=rep)
     return upd
+
+
+def _checks(upd: Updater, state) -> bool:
+    """Whether this update recomputes and measures the engine's log-probs: every update
+    that recomputes pi_old, else every `check_every`-th RL step. Steps are counted by the
+    optimizer's update count (in the checkpoint, so a resumed run checks the same steps):
+    steps 1, 1 + N, 1 + 2N, ... of a run whose updates were all finite."""
+    if upd.recompute:
+        return True
+    if upd.check_every <= 0:
+        return False
+    rl_step = int(jax.device_get(state["step"])) // (upd.num_minibatches * upd.num_updates)
+    return rl_step % upd.check_every == 0
 
 
 def update(upd: Updater, state, batch: dict[str, np.ndarray]):
     """One RL step's update of `state` on this process's rows of `batch` -> (state, metrics:
     the mean of every mini-batch update's, `nonfinite_updates`, `diag_*` of the whole batch,
-    and `rollout_logp_diff_*` where old log-probs were recomputed)."""
+    and the engine/trainer mismatch `rollout_*` (`correction.summarize`) where the trainer's
+    log-probs were computed: every step with `recompute`, else on check steps)."""
     row_sh, M = upd.row_sharding, upd.num_minibatches
     dev = distributed.put_local_rows(
         {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
@@ -253,12 +272,15 @@ def update(upd: Updater, state, batch: dict[str, np.ndarray]):
     mbs = [distributed.put_local_rows(
         minibatch(batch, m, M, upd.groups_per_shard, upd.num_samples), row_sh)
         for m in range(M)]
-    diffs = []
+    stats, check = [], _checks(upd, state)
     for mb in mbs:  # before any update of this step: the policy that sampled
-        if upd.old_fn is not None:
-            engine_logp = mb["old_logp_BR"]
-            mb["old_logp_BR"] = upd.old_fn(state["params"], mb)
-            diffs.append(upd.diff_fn(mb["old_logp_BR"], engine_logp, mb["mask_BR"]))
+        if check:
+            trainer_logp = upd.old_fn(state["params"], mb)
+            stats.append(upd.stats_fn(trainer_logp, mb["old_logp_BR"], mb["mask_BR"]))
+            if upd.recompute:  # else the check only measures: pi_old stays the engine's
+                if upd.corr.active:
+                    mb["engine_logp_BR"] = mb["old_logp_BR"]
+                mb["old_logp_BR"] = trainer_logp
         if upd.ref_fn is not None:
             mb["ref_logp_BR"] = upd.ref_fn(upd.ref_params, mb)
     step_metrics = []
@@ -270,11 +292,8 @@ def update(upd: Updater, state, batch: dict[str, np.ndarray]):
     metrics = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
     metrics["nonfinite_updates"] = sum(float(o["nonfinite"]) for o in step_metrics)
     metrics.update({f"diag_{k}": v for k, v in jax.device_get(diag).items()})
-    if diffs:  # |engine's log-prob - the trainer's| over response tokens
-        d = jax.device_get(diffs)
-        total, count = sum(x[0] for x in d), sum(x[2] for x in d)
-        metrics.update(rollout_logp_diff_mean=float(total / max(count, 1)),
-                       rollout_logp_diff_max=float(max(x[1] for x in d)))
+    if stats:
+        metrics.update(correction.summarize(jax.device_get(stats), upd.corr))
     return state, metrics
 
 
