@@ -20,7 +20,17 @@ import jax
 import optax
 from flax import nnx
 
-from ba_jax import checkpoint, data, distributed, experience, grpo, optim, run_config, sharding
+from ba_jax import (
+    checkpoint,
+    correction,
+    data,
+    distributed,
+    experience,
+    grpo,
+    optim,
+    run_config,
+    sharding,
+)
 from ba_jax.models import convert_hf, qwen
 from ba_jax.rollout import EngineSettings, RolloutEngine, SamplingSettings, prompt_bucket
 from ba_jax.tasks import arithmetic, warmup
@@ -213,7 +223,11 @@ def loss_settings(cfg: Any):
         count_degenerate_groups=bool(g.count_degenerate_groups), eps_low=float(g.eps_low),
         eps_high=float(g.eps_high), dual_clip=float(g.dual_clip) if g.dual_clip else None,
         kl_kind=None if g.kl_kind == "none" else g.kl_kind, kl_beta=float(g.kl_beta),
-        num_microbatches=int(g.num_microbatches))
+        num_microbatches=int(g.num_microbatches),
+        correction=correction.CorrectionSettings(
+            rollout_is=g.rollout_is, is_threshold=float(g.rollout_is_threshold),
+            rollout_rs=g.rollout_rs, rs_lower=run_config.rs_lower(cfg),
+            rs_upper=float(g.rollout_rs_threshold), check_every=int(g.logp_check_every)))
 
 
 def sampling_settings(cfg: Any, eos_ids, pad_id: int | None) -> SamplingSettings:
@@ -279,10 +293,10 @@ def rollout_engine_kind(cfg: Any) -> str:
 
 
 def old_logp_recompute(cfg: Any) -> bool:
-    """Whether the trainer recomputes old log-probs before the update: for vLLM
-    (`rollout.vllm_logprobs=recompute`, its default); the paged engine's are the trainer's
-    model code already."""
-    return rollout_engine_kind(cfg) == "vllm" and cfg.rollout.vllm_logprobs == "recompute"
+    """Whether pi_old is the trainer's recomputation before the update (`grpo.old_logp`,
+    resolved by `run_config.old_logp_source`: `auto` is recompute for vLLM, the engine's
+    log-probs for the paged engine, whose decode runs the trainer's model code)."""
+    return run_config.old_logp_source(cfg) == "recompute"
 
 
 def make_rollout_engine(cfg: Any, graphdef, mesh, model_cfg: qwen.ModelConfig, *,

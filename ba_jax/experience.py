@@ -34,18 +34,22 @@ from ba_jax.rollout import RolloutEngine, SamplingSettings
 # takes, what the planner compiles it with (`batch_schema`).
 BATCH_DTYPES = dict(prompt_tokens_BT=np.int32, prompt_mask_BT=np.int32, tokens_BR=np.int32,
                     mask_BR=np.float32, old_logp_BR=np.float32, adv_B=np.float32,
-                    group_id_B=np.int32, ref_logp_BR=np.float32)
+                    group_id_B=np.int32, ref_logp_BR=np.float32, engine_logp_BR=np.float32)
 
 
-def batch_schema(rows: int, prompt_len: int, response_len: int, *,
-                 with_ref: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def batch_schema(rows: int, prompt_len: int, response_len: int, *, with_ref: bool = False,
+                 with_engine_logp: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The update batch of `rows` rows: name -> (shape, dtype). `ref_logp_BR` (the frozen
-    reference's log-probs) is the trainer's, added when the loss has a KL term."""
+    reference's log-probs) is the trainer's, added when the loss has a KL term;
+    `engine_logp_BR` (the engine's log-probs, beside the recomputed `old_logp_BR`) when the
+    loss has a rollout correction."""
     B, Tp, R = rows, prompt_len, response_len
     shapes = dict(prompt_tokens_BT=(B, Tp), prompt_mask_BT=(B, Tp), tokens_BR=(B, R),
                   mask_BR=(B, R), old_logp_BR=(B, R), adv_B=(B,), group_id_B=(B,))
     if with_ref:
         shapes["ref_logp_BR"] = (B, R)
+    if with_engine_logp:
+        shapes["engine_logp_BR"] = (B, R)
     return {k: (s, np.dtype(BATCH_DTYPES[k])) for k, s in shapes.items()}
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ba_jax.aggregation import safe_div
+from ba_jax.correction import CorrectionSettings
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "batch_std")
 KL_KINDS = ("k1", "k2", "k3")
@@ -39,6 +40,9 @@ class LossSettings:
     kl_kind: str | None = None  # k1 | k2 | k3 against the frozen reference; None: no KL
     kl_beta: float = 0.0
     num_microbatches: int = 1  # slices of a mini-batch accumulated in one step
+    # the rollout correction (grpo.rollout_is*, grpo.rollout_rs*): a factor on the
+    # policy-gradient term from the engine's and the trainer's log-probs (correction.py)
+    correction: CorrectionSettings = CorrectionSettings()
 
     @property
     def rule_options(self) -> dict:
@@ -258,8 +262,13 @@ def grpo_loss(
     ref_logp_BT: jax.Array | None = None,
     kl_kind: str | None = None,
     kl_beta: float = 0.0,
+    pg_factor_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """sum(w * (surrogate + kl_beta * kl)) with precomputed aggregation weights w_BT.
+
+    `pg_factor_BT` (the rollout correction, `correction.pg_factor`) multiplies the per-token
+    surrogate only, never the weights or the KL term: the rule still sees the batch as it
+    was sampled, so its normalisation (Balanced Aggregation's per-sign means) is unchanged.
 
     Every metric is a sum over tokens, so summing over micro-batches is exact:
     `pg_loss`, `kl` are w-weighted sums (already normalised by the rule, like the
@@ -272,6 +281,8 @@ def grpo_loss(
     pg_BT, aux = clipped_surrogate(
         logp_BT, old_logp_BT, adv_B, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
     )
+    if pg_factor_BT is not None:
+        pg_BT = pg_BT * jax.lax.stop_gradient(pg_factor_BT).astype(jnp.float32)
     pg_loss = jnp.sum(w_BT * pg_BT)
     loss = pg_loss
     metrics = {"pg_loss": pg_loss}

@@ -278,7 +278,8 @@ def abstract_train_inputs(cfg: Any, mesh):
     # the trainer's batch schema (`experience.batch_schema`)
     schema = experience.batch_schema(train_rows(cfg), prompt_bucket(cfg.data.max_prompt_tokens),
                                      cfg.rollout.max_new_tokens,
-                                     with_ref=cfg.grpo.kl_kind != "none")
+                                     with_ref=cfg.grpo.kl_kind != "none",
+                                     with_engine_logp=build.loss_settings(cfg).correction.active)
     row = sharding.batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct(s, d, sharding=row) for k, (s, d) in schema.items()}
     return graphdef, tx, state, batch

@@ -35,6 +35,8 @@ FREE = (
     "grpo.num_microbatches", "rollout.num_slots", "rollout.page_size", "rollout.kv_pages",
     "rollout.prefill_chunk", "rollout.vllm_enforce_eager", "reward.num_workers",
     "reward.inline_dapo",
+    # measured, not used: with engine log-probs a check recomputes and logs the mismatch only
+    "grpo.logp_check_every",
 )
 
 

@@ -1,147 +1,56 @@
-"""The GRPO train step (pure, jitted once) and the RL loop around it.
+"""The RL loop: the train state, its checkpoints, and `run_training`.
 
-What lives here: `train_step(state, batch)` and `make_train_step` (shardings, donation),
-the train state, `Updater` / `update` (one RL step's update: the old-log-prob and reference
-passes, every mini-batch, the aggregation diagnostics), `prepare_policy` (what runs before
-the first RL step of a fresh run) and `run_training`, the plain Python loop:
-engine.sync -> experience.collect -> update -> metrics.step_record -> checkpoint. What does not: checking the config
-(run_config.py), building the run from it (build.py), the optimizer (optim.py), the
-embedded task's supervised warm-up (tasks/warmup.py), collecting experience
-(experience.py), the aggregation rules (aggregation.py), the policy's log-probs and the
-losses (grpo.py).
-
-Batch layout (rows of one prompt contiguous, B = P*G): `prompt_tokens_BT` left-padded
-prompts, `tokens_BR` the R response slots; the policy reads `[prompt | response]` and the
-loss sees only response positions. Aggregation weights are computed inside the step on
-the whole mini-batch, before it is cut into micro-batches (spec: aggregation.md).
+What lives here: the train state (`init_state`), saving it (`_save`: with the config and
+the data fingerprint a resume checks), `prepare_policy` (what runs before the first RL step
+of a fresh run) and `run_training`, the plain Python loop: engine.sync ->
+experience.collect -> update -> metrics.step_record -> checkpoint, stopping after the step
+in flight on SIGTERM/SIGINT (preemption.py). What does not: the update itself (the jitted
+train step, mini-batches, old-log-prob and reference passes: updater.py, whose public names
+are re-exported here), checking the config (run_config.py), building the run from it
+(build.py), the optimizer (optim.py), the embedded task's supervised warm-up
+(tasks/warmup.py), collecting experience (experience.py), resume and state integrity
+(resume.py, integrity.py, checkpoint.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
 import signal
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from ba_jax import (
-    aggregation,
     build,
     checkpoint,
     data,
     distributed,
     experience,
-    grpo,
-    integrity,
     optim,
     preemption,
     resume,
     run_config,
-    sharding,
     workdir_lock,
 )
 from ba_jax import metrics as metrics_lib
 from ba_jax.rewards import math as math_rewards
 from ba_jax.tasks import warmup
-
-
-def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
-    logp_BR, ent_BR = grpo.policy_logprobs(graphdef, params, mb, with_entropy=True)
-    total, m = grpo.grpo_loss(
-        logp_BR, mb["old_logp_BR"], mb["adv_B"], mb["w_BR"], mb["mask_BR"],
-        eps_low=loss.eps_low, eps_high=loss.eps_high, dual_clip=loss.dual_clip,
-        ref_logp_BT=mb.get("ref_logp_BR") if loss.kl_kind else None,
-        kl_kind=loss.kl_kind, kl_beta=loss.kl_beta)
-    m["entropy"] = jnp.sum(mb["mask_BR"] * ent_BR)
-    return total, m
-
-
-def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_groups: int):
-    """One optimizer step on one mini-batch; a non-finite loss, gradient, new parameter or
-    optimizer moment leaves the state unchanged (counted in `nonfinite`)."""
-    rule = aggregation.resolve_rule(loss.aggregation)
-    w_BR = aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"], batch["group_id_B"],
-                                     num_groups, **loss.rule_options)
-    batch = dict(batch, w_BR=w_BR)
-    loss_fn = functools.partial(_loss_fn, graphdef=graphdef, loss=loss)
-    total, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch,
-                                                  loss.num_microbatches)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    # the new state itself, not only loss and gradient: a finite gradient can still overflow
-    # a parameter or a moment (a huge step, a damaged restore), and that state would be saved
-    finite = (jnp.isfinite(total) & jnp.isfinite(grad_norm) & integrity.all_finite(params)
-              & integrity.all_finite(opt_state))
-    keep = lambda new, old: jnp.where(finite, new, old)
-    new_state = dict(
-        params=jax.tree.map(keep, params, state["params"]),
-        opt_state=jax.tree.map(keep, opt_state, state["opt_state"]),
-        step=state["step"] + finite.astype(jnp.int32),
-    )
-    n = jnp.maximum(aux["num_tokens"], 1.0)
-    out = dict(loss=total, pg_loss=aux["pg_loss"], grad_norm=grad_norm,
-               clipfrac_low=aux["clip_low"] / n, clipfrac_high=aux["clip_high"] / n,
-               clipfrac_dual=aux["clip_dual"] / n, ratio_mean=aux["ratio"] / n,
-               entropy=aux["entropy"] / n, weight_sum=aux["weight_sum"],
-               nonfinite=1.0 - finite.astype(jnp.float32))
-    if "kl" in aux:
-        out["kl"] = aux["kl"]
-    return new_state, out
-
-
-def make_train_step(loss: grpo.LossSettings, graphdef, tx: optax.GradientTransformation,
-                    state, mesh, num_groups: int):
-    """jit(train_step) with the state's shardings, rows over (data, fsdp), state donated.
-
-    `tx` is the optimizer `state["opt_state"]` was made by (`build.make_optimizer`).
-    """
-    fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
-                           num_groups=num_groups)
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
-    row_sh = sharding.batch_sharding(mesh)
-
-    def step(state, batch):
-        # the mesh in context at trace time: the kernel seam shard_maps kernels XLA cannot
-        # partition (splash attention) over it
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(state, batch)
-
-    return jax.jit(step, in_shardings=(state_sh, row_sh),
-                   out_shardings=(state_sh, NamedSharding(mesh, PS())), donate_argnums=(0,))
-
-
-def make_reference_fn(num_microbatches: int, graphdef, ref_params, mesh):
-    """jit of response log-probs on a mini-batch under parameters laid out like `ref_params`
-    (the frozen KL reference, or the policy itself for old_logp), micro-batched as the train
-    step is (`grpo.reference_logprobs`), rows over (data, fsdp)."""
-    row_sh = sharding.batch_sharding(mesh)
-    fn = functools.partial(grpo.reference_logprobs, graphdef,
-                           num_microbatches=num_microbatches)
-
-    def ref(params, batch):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(params, batch)
-
-    return jax.jit(ref, in_shardings=(jax.tree.map(lambda x: x.sharding, ref_params), row_sh),
-                   out_shardings=row_sh)
-
-
-def _logp_diff(new_BR, old_BR, mask_BR):
-    """(sum of |new - old| over the mask, its max, the mask's count)."""
-    d_BR = jnp.where(mask_BR > 0, jnp.abs(new_BR - old_BR), 0.0)
-    return jnp.sum(d_BR), jnp.max(d_BR), jnp.sum(mask_BR)
+from ba_jax.updater import (  # noqa: F401  (public names scripts import from train)
+    Updater,
+    make_reference_fn,
+    make_train_step,
+    make_updater,
+    minibatch,
+    train_step,
+    update,
+)
 
 
 def replicate_unsharded(tree, mesh):
@@ -204,101 +113,6 @@ def _save_errors(ckpt, step: int):
             + (f"the previous checkpoint (step {prev[-1]}) is intact: fix the cause and run "
                "again to resume from it" if prev else "no earlier checkpoint exists"),
             reason) from e
-
-
-def minibatch(batch: dict[str, np.ndarray], m: int, M: int, Pg: int, G: int) -> dict[str, np.ndarray]:
-    """Mini-batch m of M from this process's rows: the m-th M-th of every sampling shard.
-
-    Rows hold whole shards of Pg groups; group ids become ids within the mini-batch, so a
-    mini-batch is the same set of groups whether its shards live on one process or many.
-    """
-    n = len(batch["adv_B"]) // (Pg * G)  # local shards
-    per = Pg // M  # groups of one shard in one mini-batch
-    idx = np.concatenate([np.arange((s * Pg + m * per) * G, (s * Pg + (m + 1) * per) * G)
-                          for s in range(n)])
-    mb = {k: v[idx] for k, v in batch.items()}
-    gid = mb["group_id_B"]
-    shard = gid // Pg
-    mb["group_id_B"] = (shard * per + (gid - shard * Pg - m * per)).astype(np.int32)
-    return mb
-
-
-@dataclasses.dataclass
-class Updater:
-    """The jitted pieces of one RL step's update, built once per run (`make_updater`)."""
-
-    step_fn: Any  # make_train_step's
-    diag_fn: Any  # aggregation diagnostics of the whole step's batch
-    row_sharding: Any
-    num_minibatches: int  # M
-    groups_per_shard: int  # Pg: prompts of one sampling shard
-    num_samples: int  # G
-    num_updates: int  # passes over the mini-batches
-    old_fn: Any = None  # old log-probs recomputed by the trainer (None: the engine's)
-    diff_fn: Any = None  # the mismatch between the engine's log-probs and the trainer's
-    ref_params: Any = None  # the frozen KL reference (None: no KL term)
-    ref_fn: Any = None
-
-
-def make_updater(loss: grpo.LossSettings, graphdef, tx, state, mesh, *, prompts_per_step: int,
-                 sample_shards: int, num_samples: int, num_minibatches: int, num_updates: int,
-                 recompute_old_logp: bool, compute_dtype) -> Updater:
-    """The run's `Updater`: the train step, the reference (the starting policy in the
-    compute dtype, sharded like it) when the loss has a KL term, the old-log-prob recompute
-    when the engine's log-probs come from another implementation."""
-    M, P = num_minibatches, prompts_per_step
-    rep = NamedSharding(mesh, PS())
-    upd = Updater(
-        step_fn=make_train_step(loss, graphdef, tx, state, mesh, num_groups=P // M),
-        diag_fn=jax.jit(functools.partial(
-            aggregation.diagnostics, aggregation.resolve_rule(loss.aggregation), num_groups=P,
-            **loss.rule_options), out_shardings=rep),
-        row_sharding=sharding.batch_sharding(mesh), num_minibatches=M,
-        groups_per_shard=P // sample_shards, num_samples=num_samples, num_updates=num_updates)
-    if loss.kl_kind is not None:  # validate: kl_beta > 0 with it, and only with it
-        upd.ref_params = jax.jit(functools.partial(grpo.compute_copy, dtype=compute_dtype))(
-            state["params"])
-        upd.ref_fn = make_reference_fn(loss.num_microbatches, graphdef, upd.ref_params, mesh)
-    if recompute_old_logp:
-        upd.old_fn = make_reference_fn(loss.num_microbatches, graphdef, state["params"], mesh)
-        upd.diff_fn = jax.jit(_logp_diff, out_shardings=rep)
-    return upd
-
-
-def update(upd: Updater, state, batch: dict[str, np.ndarray]):
-    """One RL step's update of `state` on this process's rows of `batch` -> (state, metrics:
-    the mean of every mini-batch update's, `nonfinite_updates`, `diag_*` of the whole batch,
-    and `rollout_logp_diff_*` where old log-probs were recomputed)."""
-    row_sh, M = upd.row_sharding, upd.num_minibatches
-    dev = distributed.put_local_rows(
-        {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
-    diag = upd.diag_fn(dev["mask_BR"], dev["adv_B"], dev["group_id_B"])
-    mbs = [distributed.put_local_rows(
-        minibatch(batch, m, M, upd.groups_per_shard, upd.num_samples), row_sh)
-        for m in range(M)]
-    diffs = []
-    for mb in mbs:  # before any update of this step: the policy that sampled
-        if upd.old_fn is not None:
-            engine_logp = mb["old_logp_BR"]
-            mb["old_logp_BR"] = upd.old_fn(state["params"], mb)
-            diffs.append(upd.diff_fn(mb["old_logp_BR"], engine_logp, mb["mask_BR"]))
-        if upd.ref_fn is not None:
-            mb["ref_logp_BR"] = upd.ref_fn(upd.ref_params, mb)
-    step_metrics = []
-    for _ in range(upd.num_updates):
-        for mb in mbs:
-            state, out = upd.step_fn(state, mb)
-            step_metrics.append(out)
-    step_metrics = jax.device_get(step_metrics)
-    metrics = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
-    metrics["nonfinite_updates"] = sum(float(o["nonfinite"]) for o in step_metrics)
-    metrics.update({f"diag_{k}": v for k, v in jax.device_get(diag).items()})
-    if diffs:  # |engine's log-prob - the trainer's| over response tokens
-        d = jax.device_get(diffs)
-        total, count = sum(x[0] for x in d), sum(x[2] for x in d)
-        metrics.update(rollout_logp_diff_mean=float(total / max(count, 1)),
-                       rollout_logp_diff_max=float(max(x[1] for x in d)))
-    return state, metrics
 
 
 def prepare_policy(w: warmup.WarmupSettings | None, graphdef, state, prompt_set, tokenizer,

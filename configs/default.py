@@ -94,10 +94,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
              # vllm builds its environment; ba_jax.vllm_rollout), weights synced every step.
              engine="paged",
              # vLLM only: the engine environment's python ("": the repo's .venv-vllm), skip
-             # its torch.compile (a ~10 s start instead of ~40 s, slower decoding), and
-             # where old_logp comes from: "recompute" (the trainer's own forward before the
-             # update, the mismatch logged as rollout_logp_diff_*) or "engine" (vLLM's).
-             vllm_python="", vllm_enforce_eager=False, vllm_logprobs="recompute",
+             # its torch.compile (a ~10 s start instead of ~40 s, slower decoding).
+             # vllm_logprobs: the old name of grpo.old_logp, still accepted ("": unset).
+             vllm_python="", vllm_enforce_eager=False, vllm_logprobs="",
              # Engine decode slots per sampler call, split evenly over the row devices (0: a
              # quarter of each device's rows); page_size: tokens per KV page; kv_pages:
              # pages per call, split likewise (0: every slot's largest budget at once);
@@ -123,6 +122,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             max_resample_rounds=3,
             overlong_buffer=0,  # 0 disables DAPO overlong shaping
             overlong_factor=1.0,
+            # Train-inference consistency (docs/consistency.md). old_logp: where pi_old comes
+            # from: "recompute" (the trainer's forward over the batch before any update) or
+            # "engine" (the sampler's log-probs); "auto": recompute for vllm, engine for
+            # paged. logp_check_every: with engine, recompute every N-th step only to log
+            # the mismatch rollout_* (0: never); recompute logs it every step.
+            old_logp="auto",
+            logp_check_every=10,
+            # Rollout correction (needs old_logp=recompute): truncated importance weights
+            # min(pi_old / pi_engine, threshold) per token or per response (none | token |
+            # sequence), and rejection (zero loss weight) of tokens or responses whose
+            # ratio leaves [threshold_lower, threshold] (lower 0: 1 / threshold).
+            rollout_is="none",
+            rollout_is_threshold=2.0,
+            rollout_rs="none",
+            rollout_rs_threshold=2.0,
+            rollout_rs_threshold_lower=0.0,
         )
     )
     c.optim = ml_collections.ConfigDict(

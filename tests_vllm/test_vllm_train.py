@@ -32,8 +32,10 @@ def _engines() -> list[int]:
 def test_debug_run_through_vllm(tmp_path, dtype, tol):
     """3 steps; f32: vLLM's log-probs are the trainer's to float32 summation order (the mean
     |difference| well under 1e-4; a weight that failed to sync moves it by >= 1e-2); bf16:
-    the mismatch is reported (finite, nonzero) and bounded loosely."""
-    cfg = debug_config(**VLLM_DEBUG, **{"model.dtype": dtype})
+    the mismatch is reported (finite, nonzero) and bounded loosely, with the token-level
+    rollout correction on (its weights near 1)."""
+    extra = {} if tol is not None else {"grpo.rollout_is": "token", "grpo.rollout_rs": "token"}
+    cfg = debug_config(**VLLM_DEBUG, **{"model.dtype": dtype}, **extra)
     train.train_and_evaluate(cfg, str(tmp_path))
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -45,15 +47,21 @@ def test_debug_run_through_vllm(tmp_path, dtype, tol):
             assert r["rollout_logp_diff_mean"] < tol, r
         else:
             assert 0 < r["rollout_logp_diff_mean"] < 0.1, r
+            assert 0.9 < r["rollout_is_mean"] < 1.1 and 0.9 < r["rollout_is_ess"] <= 1, r
+            assert 0 <= r["rollout_rs_masked_frac"] < 0.05, r
+        assert r["rollout_kl_k3_token"] >= 0 and r["rollout_kl_k3_seq"] >= 0
     assert not _engines(), "the engine process outlived the run"
 
 
 def test_engine_logprobs_option_skips_the_recomputation(tmp_path):
+    """vLLM's log-probs as pi_old (the old option name): the trainer's forward runs only on
+    the check steps (every 2: step 1 of 2)."""
     cfg = debug_config(**{**VLLM_DEBUG, "rollout.vllm_logprobs": "engine",
-                          "num_train_steps": 1})
+                          "grpo.logp_check_every": 2, "num_train_steps": 2})
     train.train_and_evaluate(cfg, str(tmp_path))
-    (row,) = read_metrics(str(tmp_path))
-    assert "rollout_logp_diff_mean" not in row and row["weight_sync_time_s"] > 0
+    rows = read_metrics(str(tmp_path))
+    assert ["rollout_logp_diff_mean" in r for r in rows] == [True, False]
+    assert rows[1]["weight_sync_time_s"] > 0
 
 
 @pytest.mark.parametrize("override, message", [
