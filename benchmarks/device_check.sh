@@ -19,7 +19,8 @@
 #   4. runs benchmarks/gpu_step.py: the kernel seam's check (cudnn and chunked against xla,
 #      values and gradients), the paged decode check (jax's Triton kernel against the gather
 #      path), the Qwen3-1.7B GRPO train step and the rollout engine's sampling (timings, MFU),
-#      then the train step's compiled memory; each result is printed as it comes, and the run
+#      the engine's bf16 log-prob mismatch against the trainer's forward, then the train
+#      step's compiled memory; each result is printed as it comes, and the run
 #      is stopped after BUDGET_S seconds (default 420, so the whole check ends within 8
 #      minutes on one H100, start-up included);
 #   5. leaves in $OUT (default runs/device_check): gpu_step.json and gpu_step.md (the

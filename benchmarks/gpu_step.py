@@ -28,8 +28,10 @@ differences relative to the reference's scale (bf16 resolution is ~4e-3); then t
 paged decode attention, the Triton kernel against the gather path (`check_paged`).
 
 Stages run in this order, each printed as soon as it ends: versions and devices, the seam
-check, the paged decode check, the train step, the sampler, then the train step's compiled
-memory (one more compile). `--out DIR` also writes `DIR/gpu_step.json` and `DIR/gpu_step.md`
+check, the paged decode check, the train step, the sampler, the train-inference mismatch of
+that last sampler call (the engine's bf16 log-probs against the trainer's forward over the
+same tokens: the metrics `grpo.old_logp=recompute` logs, docs/consistency.md), then the
+train step's compiled memory (one more compile). `--out DIR` also writes `DIR/gpu_step.json` and `DIR/gpu_step.md`
 after every stage (so a run cut off by its time slot still leaves what it measured);
 `benchmarks/device_check.sh` runs this on an air-gapped GPU image (docs/benchmarks.md, GPU).
 
@@ -195,8 +197,8 @@ def bench_train(cfg, devices, steps: int):
     return statistics.median(times), state, graphdef, stats.get("peak_bytes_in_use")
 
 
-def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]:
-    """(seconds of the second generate call, tokens generated in it)."""
+def bench_sampler(graphdef, params, args, vocab: int, mesh):
+    """(seconds of the second generate call, tokens generated in it, its Rollout)."""
     import jax
     from flax import nnx
 
@@ -214,7 +216,28 @@ def bench_sampler(graphdef, params, args, vocab: int, mesh) -> tuple[float, int]
     sampler.generate(model, prompts, key=jax.random.key(0), **kw)  # compile
     t0 = time.perf_counter()
     ro = sampler.generate(model, prompts, key=jax.random.key(1), **kw)
-    return time.perf_counter() - t0, int(ro.lengths.sum())
+    return time.perf_counter() - t0, int(ro.lengths.sum()), ro
+
+
+def check_mismatch(graphdef, params, ro, mesh, microbatches: int) -> dict[str, float]:
+    """The in-house engine's train-inference mismatch on rollout `ro`: the engine's
+    log-probs (paged decode kernels, the compute-dtype decode copy) against the trainer's
+    forward over the same tokens (what `grpo.old_logp=recompute` runs), as the metrics the
+    trainer logs (`correction.summarize`, token-level IS and rejection at 2 and [1/2, 2])."""
+    import jax
+
+    from ba_jax import correction, train
+
+    settings = correction.CorrectionSettings(rollout_is="token", is_threshold=2.0,
+                                             rollout_rs="token", rs_lower=0.5, rs_upper=2.0)
+    batch = dict(prompt_tokens_BT=np.asarray(ro.prompt_tokens, np.int32),
+                 prompt_mask_BT=np.asarray(ro.prompt_mask, np.int32),
+                 tokens_BR=np.asarray(ro.tokens, np.int32),
+                 mask_BR=np.asarray(ro.mask, np.float32))
+    trainer = train.make_reference_fn(microbatches, graphdef, params, mesh)(params, batch)
+    part = jax.jit(correction.statistics, static_argnums=3)(
+        trainer, np.asarray(ro.logprobs, np.float32), batch["mask_BR"], settings)
+    return correction.summarize([jax.device_get(part)], settings)
 
 
 def check_seam(devices, results: Results | None = None) -> None:
@@ -388,8 +411,8 @@ def main(argv=None) -> None:
         f"({flops_tok / 1e9:.2f} GFLOP/token)", ms_per_step=step_s * 1e3, tokens_per_s=tok_s,
         mfu=None if np.isnan(mfu) else mfu, measured_peak_bytes=peak_bytes)
 
-    sec, gen = bench_sampler(graphdef, state["params"], args, mc.vocab_size,
-                             build.make_mesh(cfg, devices))
+    mesh = build.make_mesh(cfg, devices)
+    sec, gen, ro = bench_sampler(graphdef, state["params"], args, mc.vocab_size, mesh)
     from ba_jax import rollout
 
     S = rollout.prompt_bucket(args.sample_prompt_len) + args.sample_new_tokens
@@ -401,7 +424,14 @@ def main(argv=None) -> None:
         f"{gen / sec:,.0f} tokens/s, MFU {_pct(mfu_dec)} (decode is memory-bound)",
         seconds=sec, tokens=gen, tokens_per_s=gen / sec,
         mfu=None if np.isnan(mfu_dec) else mfu_dec)
-    del state
+    m = check_mismatch(graphdef, state["params"], ro, mesh, args.microbatches)
+    results.record(
+        "mismatch", f"engine vs trainer log-probs (bf16, that rollout): mean |diff| "
+        f"{m['rollout_logp_diff_mean']:.2e}, max {m['rollout_logp_diff_max']:.3f}, k3 per "
+        f"token {m['rollout_kl_k3']:.2e}, per sequence {m['rollout_kl_k3_seq']:.2e}, tokens "
+        f"outside [1/2, 2] {m['rollout_ratio_outside_2x_frac']:.2e}, token IS max "
+        f"{m['rollout_is_max']:.3f}", **m)
+    del state, ro
 
     if args.compiled_memory:
         est = planned["bytes"]["train_peak"] / 2**30
