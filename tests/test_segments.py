@@ -243,9 +243,13 @@ def test_cudnn_packed_lowers_for_cuda():
         bwd_text = lower(jax.grad(loss, argnums=(0, 1, 2)))
     assert fwd_text.count("@__cudnn$fmhaSoftmax(") == 1
     assert bwd_text.count("@__cudnn$fmhaSoftmaxBackward(") == 1
-    assert f'\\22max_seg_per_batch\\22: {M}' in fwd_text.replace('"', "\\22"), fwd_text[-3000:]
-    heads_in = K if compat.cudnn_packed_gqa_ok() else N
-    assert f"tensor<{B}x{T_}x{heads_in}x{H}xbf16>" in fwd_text.split("@__cudnn$fmhaSoftmax(")[1]
+    call = next(line for line in fwd_text.splitlines() if "@__cudnn$fmhaSoftmax(" in line)
+    assert f"max_seg_per_batch\\22: {M}" in call
+    # operands: q, k, v, then per-segment lengths [B, M] and starts [B, M + 1], q and kv
+    kv_heads = K if compat.cudnn_packed_gqa_ok() else N
+    x, x_kv = f"tensor<{B}x{T_}x{N}x{H}xbf16>", f"tensor<{B}x{T_}x{kv_heads}x{H}xbf16>"
+    lens, starts = f"tensor<{B}x{M}xi32>", f"tensor<{B}x{M + 1}xi32>"
+    assert f": ({x}, {x_kv}, {x_kv}, {lens}, {lens}, {starts}, {starts})" in call
 
 
 # ---------------------------------------------------------------- splash
