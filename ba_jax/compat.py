@@ -24,6 +24,15 @@ What moved between those releases, and what ba_jax does about it:
   among them, need concrete devices to lower at all): for checking such code by lowering,
   `host_lowers_as_gpu` has jax's Triton lowering take this host's device kind for the GPU's
   (jax's private GPU-info registry; a no-op on jax <= 0.10). Tests only.
+* cuDNN's packed layout (several sequences per row: `q_offsets` / `kv_offsets` with per-segment
+  lengths, Hopper and newer) is reachable only through jax's private
+  `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` (the public
+  `jax.nn.dot_product_attention` takes one length per row); its keywords are the same from
+  0.10.2 to 0.12 (`cudnn_packed_attention` returns it, None where it is gone). jax 0.10.2
+  scales the key offsets by the *query* heads (`kv_offsets * N * H`), wrong whenever there
+  are fewer kv heads; 0.12 uses the kv heads. `cudnn_packed_gqa_ok` finds out which by
+  running jax's offset fix on a tiny GQA case (no version check); where it is wrong, the
+  caller repeats the kv heads up to the query heads first.
 * transformers 5.x logs "PyTorch was not found. Models won't be available ..." when it is
   imported without torch (the newest end installs none, nor does a TPU VM): ba_jax uses
   transformers for tokenizers and configs only, so `quiet_transformers_without_torch` (called
@@ -37,6 +46,7 @@ vLLM engine's own environment imports ba_jax.vllm_worker without it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -115,6 +125,47 @@ def host_lowers_as_gpu(device_kind: str = DEFAULT_GPU_KIND) -> Iterator[None]:
     kinds = {d.device_kind for d in jax.devices()}
     with mock.patch.dict(gpu_info.registry, {k: (lambda: info) for k in kinds}):
         yield
+
+
+_CUDNN_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
+
+
+def cudnn_packed_attention() -> Callable | None:
+    """jax's private cuDNN fused attention (`dot_product_attention(query, key, value, *,
+    q_seqlen [B, M], kv_seqlen [B, M], q_offsets [B, M + 1], kv_offsets [B, M + 1], scale,
+    mask_type)`, BTNH, -1 for unused entries), or None where this jax has no such function
+    or no packed-layout arguments."""
+    import inspect
+
+    try:
+        module = importlib.import_module(_CUDNN_MODULE)
+    except ImportError:
+        return None
+    fn = getattr(module, "dot_product_attention", None)
+    if fn is None or not {"q_offsets", "kv_offsets"} <= set(inspect.signature(fn).parameters):
+        return None
+    return fn
+
+
+def cudnn_mask_type(name: str):
+    """A member of jax's private cuDNN `MaskType` enum ("PADDING_CAUSAL", ...)."""
+    return getattr(importlib.import_module(_CUDNN_MODULE).MaskType, name)
+
+
+@functools.cache
+def cudnn_packed_gqa_ok() -> bool:
+    """Whether jax's cuDNN packed layout strides the key offsets by the kv heads (else by the
+    query heads, wrong for grouped-query attention: jax 0.10.2). Probed on jax's own offset
+    fix with 4 query heads, 1 kv head and two segments of 2 tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    fix = importlib.import_module(_CUDNN_MODULE)._fix_seqlen_offsets
+    with jax.ensure_compile_time_eval():  # first asked while tracing: compute it now
+        q, k = jnp.zeros((1, 4, 4, 8)), jnp.zeros((1, 4, 1, 8))
+        lens, offsets = jnp.array([[2, 2]], jnp.int32), jnp.array([[0, 2, -1]], jnp.int32)
+        kv_offsets = fix(lens, lens, offsets, offsets, q, k)[3]
+        return int(kv_offsets[0, 1]) == 2 * 1 * 8
 
 
 _NO_TORCH_ADVICE = "PyTorch was not found."

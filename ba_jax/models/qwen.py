@@ -16,7 +16,9 @@ Call interface:
 tokens at or before it, and a padding token's attention output is 0. `positions_BT` defaults to
 `arange(T)` without a mask and to the number of real tokens before each token with one (the
 same thing for unpadded or right-padded rows, the right thing for left-padded ones).
-`model(tokens_BT)` is the Hugging Face call.
+`model(tokens_BT)` is the Hugging Face call. Packed rows (several sequences per row) pass
+`segments=attention.Segments(ids_BT, max_segments)`: attention stays within a segment and
+positions default to each token's index within its segment (`segments.positions`).
 
 One forward path: `Qwen.forward(tokens_BT, positions_BT, cache)` runs the embedding and the
 layer scan; every decoder layer has one `__call__(x, rope, attend)` whose attention is
@@ -28,9 +30,9 @@ supplied by the cache mode in use. A cache mode is any object with
     attend(q_BTNH, k_BTKH, v_BTKH, xs_l, state) -> (o_BTNH, state, ys_l)
     finish(state, ys) -> result               # after the scan (ys stacked over layers)
 
-`FullAttention` (here) is the full causal forward (optionally keeping every layer's keys);
-the rollout engine's paged decode and chunked prefill are modes of its own; a packed
-(segment-id) forward would be one more. The residual block, the activation sharding
+`FullAttention` (here) is the full causal forward (optionally keeping every layer's keys),
+over one sequence per row or packed rows (its `segments`); the rollout engine's paged decode
+and chunked prefill are modes of its own. The residual block, the activation sharding
 constraints and the remat policy are written once, for every mode.
 
 Layers: the decoder layers are ONE `DecoderLayer` whose parameters carry a leading `layers`
@@ -51,6 +53,7 @@ from jax import lax
 
 from ba_jax import sharding
 from ba_jax.models import attention as attention_lib
+from ba_jax.models.attention import segments as segments_lib
 from ba_jax.models.layers import (
     KV_AXES,
     LOGITS_AXES,
@@ -256,12 +259,14 @@ class FullAttention:
     """Cache mode of a full causal forward over `valid_BT` (1: real token), with the
     model's attention kernel (`attention.attention`, `impl` a `model.attention` value);
     `finish` returns every layer's keys and values (k_LBTKH, v_LBTKH) if `keep_kv`, else
-    None (a prefill writes them into its cache; a trainer keeps nothing)."""
+    None (a prefill writes them into its cache; a trainer keeps nothing). `segments`:
+    packed rows, attention within each segment only (None: one sequence per row)."""
 
     valid_BT: jax.Array
     impl: str = "auto"
     keep_kv: bool = False
     interpret: bool = False
+    segments: attention_lib.Segments | None = None
     remat = True
 
     def layer_xs(self, num_layers: int):
@@ -272,7 +277,7 @@ class FullAttention:
 
     def attend(self, q_BTNH, k_BTKH, v_BTKH, xs_l, state):
         o_BTNH = attention_lib.attention(q_BTNH, k_BTKH, v_BTKH, self.valid_BT, impl=self.impl,
-                                         interpret=self.interpret)
+                                         segments=self.segments, interpret=self.interpret)
         return o_BTNH, None, (k_BTKH, v_BTKH) if self.keep_kv else None
 
     def finish(self, state, ys):
@@ -329,10 +334,12 @@ class Qwen(nnx.Module):
             logits_BTV = mm(x_BTD, self.lm_head.kernel[...], (0,), w_logical=self.lm_head.axes)
         return sharding.constrain(logits_BTV, LOGITS_AXES)
 
-    def full(self, valid_BT: jax.Array, *, keep_kv: bool = False) -> FullAttention:
-        """The full-forward cache mode with this model's kernel choice."""
+    def full(self, valid_BT: jax.Array, *, keep_kv: bool = False,
+             segments: attention_lib.Segments | None = None) -> FullAttention:
+        """The full-forward cache mode with this model's kernel choice (`segments`: packed
+        rows)."""
         return FullAttention(valid_BT.astype(bool), self.config.attention, keep_kv,
-                             self.config.kernel_interpret)
+                             self.config.kernel_interpret, segments)
 
     def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any):
         """The decoder stack without the head, attention supplied by the cache mode `cache`
@@ -364,17 +371,20 @@ class Qwen(nnx.Module):
         return x_BTD, cache.finish(state, ys)
 
     def hidden_states(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                      attn_mask_BT: jax.Array | None = None) -> jax.Array:
+                      attn_mask_BT: jax.Array | None = None,
+                      segments: attention_lib.Segments | None = None) -> jax.Array:
         """The full causal forward without the head -> x_BTD (before the final norm);
-        mask and positions as `__call__`'s."""
+        mask, positions and segments as `__call__`'s."""
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if attn_mask_BT is None else attn_mask_BT.astype(bool)
         if positions_BT is None:
-            positions_BT = default_positions(valid_BT)
-        return self.forward(tokens_BT, positions_BT, self.full(valid_BT))[0]
+            positions_BT = (default_positions(valid_BT) if segments is None else
+                            segments_lib.positions(segments_lib.token_ids(valid_BT, segments)))
+        return self.forward(tokens_BT, positions_BT, self.full(valid_BT, segments=segments))[0]
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 attn_mask_BT: jax.Array | None = None, *, logits_slice: slice | None = None):
+                 attn_mask_BT: jax.Array | None = None, *, logits_slice: slice | None = None,
+                 segments: attention_lib.Segments | None = None):
         """Full causal forward -> float32 logits [B, T, V].
 
         `logits_slice` (a static slice of the T positions) returns only those positions'
@@ -382,7 +392,7 @@ class Qwen(nnx.Module):
         then run on those hidden states only (a trainer scoring responses skips the prompt
         positions, a next-token loss the last one).
         """
-        x_BTD = self.hidden_states(tokens_BT, positions_BT, attn_mask_BT)
+        x_BTD = self.hidden_states(tokens_BT, positions_BT, attn_mask_BT, segments)
         if logits_slice is not None:
             x_BTD = x_BTD[:, logits_slice]
         return self.logits(x_BTD)

@@ -11,6 +11,7 @@ rollout engine's cache calls `paged_decode` / `paged_chunk_attention` with the i
   paged          decode and chunked prefill over a paged pool (gather path), pool writes
   paged_kernels  jax's Pallas paged-attention kernels (TPU, GPU)
   partition      how a Pallas kernel is cut under the mesh in context
+  segments       packed rows: segment ids, per-segment positions
   dispatch       resolve / paged_impl (which implementation) and `attention` (the call)
 
 Not here: RoPE (the model applies it), the page bookkeeping (the engine), projections.
@@ -33,7 +34,8 @@ from ba_jax.models.attention.paged import (
                                               write_pages,
 )
 from ba_jax.models.attention.reference import decode_attention
+from ba_jax.models.attention.segments import Segments
 
 __all__ = ["CHUNKED_MIN_LEN", "IMPLS", "PAGED_IMPLS", "attention", "backend", "decode_attention",
            "paged_chunk_attention", "paged_decode", "paged_decode_attention", "paged_impl",
-           "paged_writes_first", "resolve", "write_pages"]
+           "paged_writes_first", "resolve", "Segments", "write_pages"]

@@ -2,14 +2,18 @@
 
 This is the only place in ba_jax that asks which backend it runs on: model code names an
 implementation (config `model.attention`) and calls `attention`; the rollout engine's paged
-decode asks `paged_impl`. Implementations of `attention`, all with the same semantics:
+decode asks `paged_impl`. Implementations of `attention`, all with the same semantics, with
+or without `segments` (packed rows, `segments.Segments`):
 
   xla      materialises the [B, K, J, T, T] float32 scores; plain autodiff. The truth
-           every other implementation is tested against (`reference`).
+           every other implementation is tested against (`reference`). Segments: a mask.
   chunked  pure JAX flash attention (`flash`): online softmax over key blocks, blocks above
-           the causal diagonal skipped. Any backend.
+           the causal diagonal skipped. Any backend. Segments: blocks sharing no segment
+           skipped too, with trip counts per row.
   cudnn    jax.nn.dot_product_attention(implementation="cudnn") (`cudnn`); bf16/fp16 only.
+           Segments: cuDNN's packed layout, one ragged sequence per run (Hopper and newer).
   splash   Pallas TPU splash attention (`splash`), under shard_map when a mesh is in context.
+           Segments: splash's SegmentIds (masked in its blocks, not skipped).
 """
 
 import jax
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from ba_jax import compat
 from ba_jax.models.attention import cudnn as cudnn_lib
 from ba_jax.models.attention import flash, reference, splash
+from ba_jax.models.attention.segments import Segments, token_ids
 
 IMPLS = ("auto", "xla", "chunked", "cudnn", "splash")
 # 'auto' on CPU: below this length the [T, T] scores are small and xla is the fastest.
@@ -53,19 +58,23 @@ def attention(
     valid_BT: jax.Array,
     *,
     impl: str = "xla",
+    segments: Segments | None = None,
     block_q: int = 512,
     block_k: int = 512,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal grouped-query self-attention over one packed sequence per row.
+    """Causal grouped-query self-attention over one sequence per row, or over several
+    (packed rows: `segments`).
 
-    Query t attends key s iff s <= t and valid_BT[s]; query head n reads kv head
+    Query t attends key s iff s <= t, valid_BT[t] and valid_BT[s] and, with segments,
+    ids[t] == ids[s] > 0 (ids <= 0 are padding, like valid_BT False); query head n reads kv head
     n // (N // K) (Hugging Face order). Scale 1/sqrt(H); scores and softmax in float32;
     both products in q's dtype with float32 accumulation; output in q's dtype. Queries
     with valid_BT[t] False output exactly 0, with finite gradients, also for fully
     invalid rows. cudnn additionally assumes the valid tokens of each row are one
     contiguous run (left pads, real tokens, optional right pads); xla, chunked and
-    splash take any pattern.
+    splash take any pattern. With segments, cudnn takes each contiguous run of an id as one
+    sequence (a packer's layout) and needs `segments.max_segments`; the others take any.
     block_q / block_k: tile sizes for chunked (shrunk to T rounded up to 8) and splash
     (multiples of 128 dividing the padded T); ignored by xla and cudnn.
     interpret: run a Pallas kernel (splash) in the Pallas interpreter (checking it on CPU).
@@ -77,14 +86,17 @@ def attention(
     impl = resolve(impl, dtype=q_BTNH.dtype, seq_len=T)
     k_BTKH = k_BTKH.astype(q_BTNH.dtype)
     v_BTKH = v_BTKH.astype(q_BTNH.dtype)
-    valid_BT = valid_BT.astype(bool)
+    ids_BT = token_ids(valid_BT, segments)  # one segment per row without segments
     if impl == "xla":
-        return reference.xla(q_BTNH, k_BTKH, v_BTKH, valid_BT)
+        return reference.xla(q_BTNH, k_BTKH, v_BTKH, ids_BT)
     if impl == "chunked":
-        return flash.chunked(q_BTNH, k_BTKH, v_BTKH, valid_BT, block_q, block_k)
+        return flash.chunked(q_BTNH, k_BTKH, v_BTKH, ids_BT, block_q, block_k,
+                             per_row=segments is not None)
     if impl == "cudnn":
-        return cudnn_lib.cudnn(q_BTNH, k_BTKH, v_BTKH, valid_BT)
-    return splash.splash(q_BTNH, k_BTKH, v_BTKH, valid_BT, block_q, block_k,
+        if segments is not None:
+            return cudnn_lib.packed(q_BTNH, k_BTKH, v_BTKH, ids_BT, segments.max_segments)
+        return cudnn_lib.cudnn(q_BTNH, k_BTKH, v_BTKH, valid_BT.astype(bool))
+    return splash.splash(q_BTNH, k_BTKH, v_BTKH, ids_BT, block_q, block_k,
                          interpret=interpret)
 
 

@@ -1,7 +1,8 @@
 """The reference attention: full float32 scores and a masked softmax, plain autodiff.
 
 Lives here: `masked` (the one masked softmax every gather-based path uses), `xla` (causal
-self-attention, the truth every other implementation is tested against), `decode_attention`
+self-attention within segments, the truth every other implementation is tested against),
+`same_segment` (the segment mask every kernel applies), `decode_attention`
 (one new token per row over cached keys plus its own key, optionally a prompt prefix shared
 by its group), and the constants and padding helpers the kernels share. Not here: choosing
 an implementation (`dispatch`), the kernels themselves (`flash`, `cudnn`, `splash`, `paged`).
@@ -32,12 +33,19 @@ def pad_time(x: Array, T_new: int, value: bool | float = 0) -> Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def xla(q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, valid_BT: Array) -> Array:
-    """Reference: full scores, plain autodiff (fine in bf16: every cast is explicit)."""
+def xla(q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, ids_BT: Array) -> Array:
+    """Reference: full scores, plain autodiff (fine in bf16: every cast is explicit).
+    ids_BT: segment ids, 0 for padding (`segments.token_ids`; a boolean valid_BT is one
+    segment per row)."""
     T = q_BTNH.shape[1]
     causal_TS = jnp.tril(jnp.ones((T, T), bool))
-    mask_BTS = causal_TS[None] & valid_BT[:, None, :] & valid_BT[:, :, None]
-    return masked(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+    return masked(q_BTNH, k_BTKH, v_BTKH, causal_TS[None] & same_segment(ids_BT, ids_BT))
+
+
+def same_segment(idq_BT: Array, idk_BS: Array) -> Array:
+    """[B, T, S]: query t and key s are real tokens of one segment (ids as `xla`'s)."""
+    idq_BT, idk_BS = idq_BT.astype(jnp.int32), idk_BS.astype(jnp.int32)
+    return (idq_BT[:, :, None] == idk_BS[:, None, :]) & (idq_BT > 0)[:, :, None]
 
 
 def masked(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Array:

@@ -1,5 +1,8 @@
 """Pallas TPU splash attention, under shard_map when a mesh is in context.
 
+Segments (packed rows) are splash's own `SegmentIds`, padding their segment 0. Its mask is
+static (causal), so it skips blocks above the diagonal only: blocks that share no segment
+are computed and masked (the `chunked` kernel skips those too).
 `interpret=True` runs the kernel in the Pallas interpreter (how it is checked on CPU).
 Not here: choosing it (`dispatch`), the mesh cut (`partition`).
 """
@@ -36,7 +39,7 @@ def splash(
     q_BTNH: Array,
     k_BTKH: Array,
     v_BTKH: Array,
-    valid_BT: Array,
+    ids_BT: Array,
     block_q: int,
     block_k: int,
     *,
@@ -44,6 +47,7 @@ def splash(
 ) -> Array:
     """Splash attention; under a mesh, shard_map over rows (data, fsdp) and kv heads
     (tensor) where they divide, since Pallas kernels are not auto-partitioned.
+    ids_BT: segment ids, 0 for padding (`segments.token_ids`).
     interpret=True runs the kernel in the Pallas interpreter (CPU tests)."""
     B, T, _, H = q_BTNH.shape
     dt = q_BTNH.dtype
@@ -53,7 +57,7 @@ def splash(
     Tp = round_up(T, max(bq, bkv))
     bq, bkv = math.gcd(bq, Tp), math.gcd(bkv, Tp)
 
-    def local(q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, valid_BT: Array) -> Array:
+    def local(q_BTNH: Array, k_BTKH: Array, v_BTKH: Array, ids_BT: Array) -> Array:
         """One device's rows and heads (the whole batch without a mesh)."""
         kernel = _splash_kernel(q_BTNH.shape[2], Tp, bq, bkv, interpret)
         # The kernel has no scale argument: fold it into q (one extra rounding in bf16).
@@ -61,22 +65,22 @@ def splash(
         q_BNTH, k_BKTH, v_BKTH = (
             jnp.swapaxes(pad_time(x, Tp), 1, 2) for x in (q_BTNH, k_BTKH, v_BTKH)
         )
-        # Pads are segment 0, real tokens 1: a real query sees exactly the real keys
-        # s <= t; a pad query sees at least itself (no empty softmax), zeroed below.
-        seg_BT = pad_time(valid_BT.astype(jnp.int32), Tp)
+        # Pads are segment 0: a real query sees exactly the keys s <= t of its own
+        # segment; a pad query sees at least itself (no empty softmax), zeroed below.
+        seg_BT = pad_time(ids_BT.astype(jnp.int32), Tp)
 
         def one_row(q_NTH: Array, k_KTH: Array, v_KTH: Array, seg_T: Array) -> Array:
             return kernel(q_NTH, k_KTH, v_KTH, segment_ids=splash_lib.SegmentIds(seg_T, seg_T))
 
         o_BTNH = jnp.swapaxes(jax.vmap(one_row)(q_BNTH, k_BKTH, v_BKTH, seg_BT), 1, 2)
-        return jnp.where(valid_BT[:, :, None, None], o_BTNH[:, :T], 0).astype(dt)
+        return jnp.where((ids_BT > 0)[:, :, None, None], o_BTNH[:, :T], 0).astype(dt)
 
     mesh, split = kernel_split(B, k_BTKH.shape[2])
     if split is None:
-        return local(q_BTNH, k_BTKH, v_BTKH, valid_BT)
+        return local(q_BTNH, k_BTKH, v_BTKH, ids_BT)
     row_spec, heads = split
     x_spec = P(row_spec, None, heads, None)
     specs = (x_spec, x_spec, x_spec, P(row_spec, None))
     sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=x_spec, check_vma=False)
-    return sharded(q_BTNH, k_BTKH, v_BTKH, valid_BT)
+    return sharded(q_BTNH, k_BTKH, v_BTKH, ids_BT)
 
