@@ -117,7 +117,10 @@ def test_lease_refuses_a_second_run_and_takes_over_a_dead_ones(emulator, monkeyp
     # the taken-over holder notices at its next refresh and does not delete the new lease
     monkeypatch.setattr(workdir_lock, "LEASE_REFRESH_S", 0.1)
     second._stop.clear()
-    second._refresh("pid 1 host dead\n")
+    refresh = threading.Thread(target=second._refresh, args=("pid 1 host dead\n",))
+    refresh.start()
+    refresh.join(timeout=5)  # it returns at its first refresh once it sees the takeover
+    second._stop.set()
     assert "taken over" in second.lost
     second.release()
     assert paths.exists(paths.join(wd, "run.lock"))
