@@ -28,6 +28,7 @@ from ba_jax import (
     experience,
     grpo,
     optim,
+    paths,
     run_config,
     sharding,
 )
@@ -43,18 +44,26 @@ def make_mesh(cfg: Any, devices: list | None = None) -> jax.sharding.Mesh:
 
 
 def load_tokenizer(cfg: Any, workdir: str):
-    """The run's tokenizer: the embedded task builds its own into WORKDIR/tokenizer."""
+    """The run's tokenizer: the embedded task builds its own into WORKDIR/tokenizer (a URL
+    workdir: saved into a local staging folder and uploaded; read from a downloaded copy)."""
+    stage = None
     if cfg.task == "arithmetic" and not cfg.tokenizer_path:
-        path = os.path.join(workdir, "tokenizer")
-        if distributed.is_primary() and not os.path.exists(os.path.join(path, "tokenizer.json")):
-            arithmetic.save_tokenizer(path)
+        path = paths.join(workdir, "tokenizer")
+        stage = paths.staging(path, "tokenizer")
+        if distributed.is_primary() and not paths.exists(paths.join(path, "tokenizer.json")):
+            arithmetic.save_tokenizer(stage)
+            paths.upload_tree(stage, path)
         distributed.barrier("ba_jax_tokenizer")  # the others read what process 0 wrote
+        paths.download_tree(path, stage)
     else:
         path = cfg.tokenizer_path or cfg.model.init_path
     try:
-        return convert_hf.load_tokenizer(path)
+        return convert_hf.load_tokenizer(stage or path)
     except Exception as e:
         raise run_config.ConfigError(f"tokenizer at {path!r} cannot be loaded: {e}") from e
+    finally:
+        if stage is not None:
+            paths.remove_staging(stage, path)
 
 
 def check_tokenizer_fits(cfg: Any, tokenizer, vocab_size: int, eos_ids) -> None:
@@ -85,11 +94,17 @@ def load_prompt_set(cfg: Any, tokenizer, workdir: str) -> data.PromptDataset:
     """The prompt set: generated arithmetic problems, or a local dataset file."""
     if cfg.task == "arithmetic":
         a = cfg.arithmetic
-        path = os.path.join(workdir, "data", "arithmetic.jsonl")
+        # a URL workdir: written to a local staging folder (the `datasets` reader reads
+        # local files), uploaded as the run's record; the other processes download it
+        folder = paths.join(workdir, "data")
+        path = os.path.join(paths.staging(folder, "data"), "arithmetic.jsonl")
         if distributed.is_primary():
             arithmetic.write_problems(path, max_operand=a.max_operand, ops=a.ops,
                                       num_problems=a.num_problems, seed=cfg.seed)
+            paths.upload_tree(os.path.dirname(path), folder)
         distributed.barrier("ba_jax_problems")
+        if not distributed.is_primary():
+            paths.download_tree(folder, os.path.dirname(path))
         dcfg = data.DataConfig(path=path, format="dapo17k", template="plain",
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
     else:

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from ba_jax import integrity
+from ba_jax import integrity, paths
 
 
 class CheckpointError(RuntimeError):
@@ -154,10 +154,10 @@ class Checkpointer:
         """`async_save`: `save` returns once the arrays are in host memory (Orbax copies
         them before it returns, so the caller may donate or overwrite them) and the write
         and commit go on in a background thread; `wait` blocks until they are done."""
-        self.directory = os.path.abspath(directory)
+        self.directory = paths.absolute(directory)  # a gs:// URL goes to Orbax as it is
         self.async_save = async_save
         self._pending: tuple[int, _Held] | None = None  # a save not known to be committed
-        os.makedirs(self.directory, exist_ok=True)
+        paths.makedirs(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
@@ -240,7 +240,7 @@ class Checkpointer:
         shapes agree or the step's metadata cannot be read."""
         try:
             with _Held(level=logging.WARNING, replay=False), ocp.PyTreeCheckpointer() as reader:
-                tree = reader.metadata(os.path.join(self.directory, str(step), "state"))
+                tree = reader.metadata(paths.join(self.directory, str(step), "state"))
             stored = _shapes(getattr(getattr(tree, "item_metadata", tree), "tree", tree))
         except Exception:  # noqa: BLE001 - only a more precise message is lost
             return None
@@ -261,8 +261,8 @@ class Checkpointer:
                 missing = isinstance(e, FileNotFoundError)
                 reason, detail = summarize(e), "".join(traceback.format_exception(e))
             held.settle()  # what the failed read left behind reports now, held
-        path = os.path.join(self.directory, str(step))
-        if missing and not os.path.isdir(path):
+        path = paths.join(self.directory, str(step))
+        if missing and not paths.isdir(path):
             error = NoSuchStep(f"no checkpoint step {step} in {self.directory}; steps there: "
                                f"{', '.join(map(str, self.steps())) or 'none'}")
         else:
@@ -293,7 +293,7 @@ class Checkpointer:
         bad = integrity.nonfinite(check)
         if not changed and not bad:
             return
-        path = os.path.join(self.directory, str(step))
+        path = paths.join(self.directory, str(step))
         reason = (f"the bits of {_first(changed)} differ from what was saved (checksums)"
                   if changed else f"non-finite values in {_first(bad)}")
         raise CheckpointError(
@@ -348,14 +348,14 @@ class Checkpointer:
         """Move unreadable steps out of the manager's folder (kept for inspection, not
         deleted) so the resumed run can write those step numbers again."""
         aside = self.directory.rstrip("/") + "_unreadable"
-        os.makedirs(aside, exist_ok=True)
+        paths.makedirs(aside)
         for step in steps:
-            dst = os.path.join(aside, str(step))
+            dst = paths.join(aside, str(step))
             n = 0
-            while os.path.exists(dst):
+            while paths.exists(dst):
                 n += 1
-                dst = os.path.join(aside, f"{step}.{n}")
-            os.rename(os.path.join(self.directory, str(step)), dst)
+                dst = paths.join(aside, f"{step}.{n}")
+            paths.replace(paths.join(self.directory, str(step)), dst)
             logging.warning("moved unreadable checkpoint %d to %s", step, dst)
         self._manager.reload()
 

@@ -26,6 +26,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from ba_jax import paths
+
 LOG_NAME = "error.log"
 VERBOSE_HELP = ("on an error, print the full traceback (otherwise one line; the detail goes "
                 "to error.log in the run's folder when there is one)")
@@ -45,16 +47,15 @@ def _has_detail(e: BaseException) -> bool:
 
 
 def _write_log(folder: str | None, text: str) -> str | None:
-    """Append `text` under a header to FOLDER/error.log; its path, or None when the folder
-    does not exist or cannot be written (a full disk)."""
-    if not folder or not os.path.isdir(folder):
-        return None
-    path = os.path.join(folder, LOG_NAME)
+    """Append `text` under a header to FOLDER/error.log (a `gs://` folder too: paths.py);
+    its path, or None when the folder does not exist or cannot be written (a full disk)."""
     try:
-        with open(path, "a") as f:
-            f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
-                    f"{' '.join(sys.argv)}\n{text}\n")
-    except OSError:
+        if not folder or not paths.isdir(folder):
+            return None
+        path = paths.join(folder, LOG_NAME)
+        paths.append_text(path, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
+                          f"{' '.join(sys.argv)}\n{text}\n")
+    except Exception:  # noqa: BLE001 - OSError, or a remote file system's own error
         return None
     return path
 
@@ -62,7 +63,10 @@ def _write_log(folder: str | None, text: str) -> str | None:
 def _divert_stragglers(log_dir: str | None) -> None:
     """What libraries still print while the process ends (finalised coroutines of a failed
     save or restore, never-retrieved task errors) goes to the log, or nowhere, rather than
-    under the message. The file is opened now: at interpreter shutdown `open` is gone."""
+    under the message. The file is opened now: at interpreter shutdown `open` is gone. A
+    URL folder (`gs://`) gets none of them: nothing can be uploaded at shutdown."""
+    if log_dir and paths.is_remote(log_dir):
+        log_dir = None
     try:
         log = open(os.path.join(log_dir, LOG_NAME), "a") if log_dir and os.path.isdir(
             log_dir) else None
@@ -109,10 +113,10 @@ def resume_hint(e: OSError, workdir: str) -> RuntimeError:
     """A write that failed while a run was going (a full disk at a metrics line) as one line
     that says what is intact and how to go on: the newest checkpoint in WORKDIR/checkpoints
     (Orbax commits a step only when it is complete, so it is whole) and the same command."""
-    folder = os.path.join(workdir, "checkpoints")
+    folder = paths.join(workdir, "checkpoints")
     try:
-        steps = sorted(int(name) for name in os.listdir(folder) if name.isdigit())
-    except OSError:
+        steps = sorted(int(name) for name in paths.listdir(folder) if name.isdigit())
+    except Exception:  # noqa: BLE001 - OSError, or a remote file system's own error
         steps = []
     fix = "free disk space" if e.errno == errno.ENOSPC else "fix the cause"
     then = (f"the newest checkpoint (step {steps[-1]} in {folder}) is intact: {fix} and run the "

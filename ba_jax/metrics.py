@@ -4,6 +4,12 @@ What lives here: the writers. What does not: computing metrics (train.py, aggreg
 or plotting (plot.py). On resume the JSONL is cut back to the restored step, so a run
 that was killed and resumed has exactly one line per step, identical to an
 uninterrupted run's.
+
+A URL workdir (`gs://`, paths.py): objects cannot be appended to, so the writer keeps the
+file's lines in memory and rewrites the object at `flush` (called before every checkpoint
+save, so a step's line is stored before its checkpoint commits, as locally) and every
+`flush_every` steps; TensorBoard writes into a local staging folder uploaded at the same
+moments.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 from typing import Any
 
 import numpy as np
+
+from ba_jax import paths
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -28,16 +36,15 @@ def _plain(value: Any) -> Any:
 
 def read_metrics(workdir: str) -> list[dict]:
     """All step records of a run, in order (an unfinished last line is ignored)."""
-    path = os.path.join(workdir, METRICS_FILE)
-    if not os.path.exists(path):
+    path = paths.join(workdir, METRICS_FILE)
+    if not paths.exists(path):
         return []
     rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut by a kill; truncate() drops it on resume
+    for line in paths.read_text(path).splitlines(keepends=True):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a kill; truncate() drops it on resume
     return rows
 
 
@@ -66,18 +73,24 @@ class MetricsWriter:
     def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0,
                  enabled: bool = True, progress: bool = True, flush_every: int = 10):
         self.enabled = enabled
-        self.path = os.path.join(workdir, METRICS_FILE)
+        self.workdir = workdir
+        self.path = paths.join(workdir, METRICS_FILE)
         self.flush_every = max(1, flush_every)
         self._tb = None
         self._bar = None
+        self._remote = paths.is_remote(workdir)
         if not enabled:
             return
         self.truncate(start_step)
-        self._file = open(self.path, "a")
+        if self._remote:  # the file's text, rewritten as one object at each flush
+            self._text, self._dirty = paths.read_text(self.path), False
+        else:
+            self._file = open(self.path, "a")
+        self._stage = paths.staging(workdir, "tensorboard")
         try:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), flush_secs=30)
+            self._tb = SummaryWriter(os.path.join(self._stage, "tensorboard"), flush_secs=30)
         except Exception:  # noqa: BLE001 - TensorBoard is optional output
             self._tb = None
         if progress:
@@ -88,26 +101,40 @@ class MetricsWriter:
 
     def truncate(self, last_step: int) -> None:
         """Keep only records with step <= last_step (the state that was restored)."""
-        rows = [r for r in read_metrics(os.path.dirname(self.path)) if r.get("step", 0) <= last_step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, self.path)
+        rows = [r for r in read_metrics(self.workdir) if r.get("step", 0) <= last_step]
+        paths.write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def flush(self) -> None:
+        """Store every line written so far (locally each write already is): a URL
+        workdir's object is rewritten and TensorBoard's staged files uploaded."""
+        if not self.enabled or not self._remote:
+            return
+        if self._dirty:
+            paths.write_text(self.path, self._text)
+            self._dirty = False
+        if self._tb is not None:
+            self._tb.flush()
+            paths.upload_tree(os.path.join(self._stage, "tensorboard"),
+                              paths.join(self.workdir, "tensorboard"))
 
     def write(self, step: int, scalars: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"step": int(step)} | {k: _plain(v) for k, v in scalars.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._remote:
+            self._text, self._dirty = self._text + json.dumps(record) + "\n", True
+            if step % self.flush_every == 0:
+                self.flush()
+        else:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._tb is not None:
             if not _tensorboard_alive(self._tb):
                 # its writer thread died of a failed write (a full disk): a dead one would
                 # block the next add_scalar forever on its bounded queue
                 _abandon_tensorboard(self._tb)
                 self._tb = None
-                raise OSError(f"TensorBoard's event writer in {os.path.dirname(self.path)} "
+                raise OSError(f"TensorBoard's event writer in {self.workdir} "
                               "stopped after a failed write (disk full?)")
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -133,12 +160,19 @@ class MetricsWriter:
                 self._bar.set_description("train stopped", refresh=False)
             self._bar.close()
         try:
-            self._file.close()
+            if self._remote:
+                self.flush()
+            else:
+                self._file.close()
         except OSError:
             if finished:
                 raise
         if self._tb is not None:
             _close_tensorboard(self._tb, report=finished)
+            if self._remote and finished:
+                paths.upload_tree(os.path.join(self._stage, "tensorboard"),
+                                  paths.join(self.workdir, "tensorboard"))
+        paths.remove_staging(self._stage, self.workdir)
 
 
 def _tensorboard_alive(tb) -> bool:

@@ -7,7 +7,8 @@ average over `--window` steps (default 10; 1 plots the raw per-step values), and
 title says so. A run is labelled by the shortest suffix of its path that no other run's
 path ends with (`run_labels`: `a/run` and `b/run` stay two curves, `a/run` and `b/run`);
 the same folder given twice is an error. Output goes to `--out` (default: `plots/` inside
-the first workdir).
+the first workdir). Workdirs and `--out` may be `gs://` URLs (paths.py): matplotlib writes
+into a local staging folder that is then uploaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 
 import numpy as np
 
+from ba_jax import paths
 from ba_jax.metrics import read_metrics
 
 # (metric key, plot title); a key missing from every run is skipped.
@@ -53,7 +55,7 @@ def run_labels(workdirs: list[str]) -> list[str]:
     run's path ends with (the folder name when that is unique). Two labels are never equal
     (equal labels have as many components, and each was chosen to differ there);
     SystemExit when two arguments are the same folder."""
-    parts = [os.path.abspath(wd).strip(os.sep).split(os.sep) for wd in workdirs]
+    parts = [paths.absolute(wd).strip(os.sep).split(os.sep) for wd in workdirs]
     labels = []
     for i, mine in enumerate(parts):
         others = [p for j, p in enumerate(parts) if j != i]
@@ -77,9 +79,10 @@ def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[st
     for wd, label in zip(workdirs, run_labels(workdirs)):
         rows = read_metrics(wd)
         if not rows:
-            raise SystemExit(f"ba_jax.plot: {os.path.join(wd, 'metrics.jsonl')} is missing or empty")
+            raise SystemExit(f"ba_jax.plot: {paths.join(wd, 'metrics.jsonl')} is missing or empty")
         runs[label] = rows
-    os.makedirs(out_dir, exist_ok=True)
+    stage = paths.staging(out_dir, "plots")
+    os.makedirs(stage, exist_ok=True)
     written = []
     for key, title in PANELS:
         if not any(key in r for rows in runs.values() for r in rows):
@@ -94,10 +97,13 @@ def plot_runs(workdirs: list[str], out_dir: str, *, window: int = 10) -> list[st
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = os.path.join(out_dir, f"{key}.png")
-        fig.savefig(path)
+        fig.savefig(os.path.join(stage, f"{key}.png"))
         plt.close(fig)
-        written.append(path)
+        written.append(paths.join(out_dir, f"{key}.png"))
+    try:
+        paths.upload_tree(stage, out_dir)
+    finally:
+        paths.remove_staging(stage, out_dir)
     return written
 
 
@@ -105,7 +111,7 @@ def plot_finished(workdir: str) -> None:
     """A finished run's curves into WORKDIR/plots (what `python -m ba_jax.main` does after the
     loop); a failure is printed, never raised: plots are a convenience."""
     try:
-        plot_runs([workdir], os.path.join(workdir, "plots"))
+        plot_runs([workdir], paths.join(workdir, "plots"))
     except Exception as e:  # noqa: BLE001 - never fail a finished run over its plots
         print(f"plotting failed: {e}")
 
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="output folder (default: FIRST/plots)")
     parser.add_argument("--window", type=int, default=10, help="trailing moving-average window in steps (1: raw values)")
     args = parser.parse_args(argv)
-    out = args.out or os.path.join(args.workdirs[0], "plots")
+    out = args.out or paths.join(args.workdirs[0], "plots")
     for path in plot_runs(args.workdirs, out, window=args.window):
         print(path)
 

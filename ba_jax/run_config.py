@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ba_jax import aggregation, correction, grpo, sharding
+from ba_jax import aggregation, correction, grpo, paths, sharding
 from ba_jax.engine import shapes
 from ba_jax.models import attention, qwen
 from ba_jax.rollout import prompt_bucket
@@ -81,8 +81,11 @@ def load_config(spec: str, **overrides: Any):
 
 
 def check_workdir(workdir: str) -> None:
-    """The run folder must be creatable and writable (checked before any work)."""
+    """The run folder must be creatable and writable (checked before any work); a URL one
+    (`gs://`) also its library installed and its bucket there (`paths.check_writable`)."""
     try:
+        if paths.is_remote(workdir):
+            return paths.check_writable(workdir)
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
         with open(probe, "w") as f:

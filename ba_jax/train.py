@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import signal
 import time
 
@@ -34,6 +33,7 @@ from ba_jax import (
     distributed,
     experience,
     optim,
+    paths,
     preemption,
     resume,
     run_config,
@@ -83,11 +83,15 @@ def _config_json(cfg) -> str:
     return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
 
 
-def _save(ckpt, step: int, state, iterator, cfg, fingerprint: dict) -> float:
+def _save(ckpt, step: int, state, iterator, cfg, fingerprint: dict, writer=None) -> float:
     """Checkpoint `step` with what a resume checks (the config, the data's fingerprint) ->
     the seconds it blocked (with async saves: the copy to host memory, and the wait for
-    the previous save if it was still being written)."""
+    the previous save if it was still being written). `writer`'s lines are stored first
+    (a URL workdir keeps them in memory between flushes): a step's line precedes its
+    checkpoint."""
     t0 = time.perf_counter()
+    if writer is not None:
+        writer.flush()
     with _save_errors(ckpt, step):
         ckpt.save(step, state, dict(step=step, data_iterator=iterator.state(),
                                     config=_config_json(cfg), data_fingerprint=fingerprint))
@@ -172,7 +176,7 @@ def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
     run_config.check_positions(cfg, model_cfg)
     tx, schedule = build.make_optimizer(cfg)
     state = init_state(params, tx, mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"),
+    ckpt = checkpoint.Checkpointer(paths.join(workdir, "checkpoints"),
                                    max_to_keep=cfg.checkpoint.max_to_keep,
                                    async_save=bool(cfg.checkpoint.async_save))
     P = cfg.rollout.prompts_per_step
@@ -202,7 +206,8 @@ def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
         state = prepare_policy(build.warmup_settings(cfg), graphdef, state, prompt_set,
                                tokenizer, mesh, tx)
         _save(ckpt, 0, state, iterator, cfg, fingerprint)
-    summary = (f"metrics {workdir}/metrics.jsonl, plots {os.path.join(workdir, 'plots')}, "
+    summary = (f"metrics {paths.join(workdir, 'metrics.jsonl')}, plots "
+               f"{paths.join(workdir, 'plots')}, "
                f"checkpoint {ckpt.directory}")
     if start >= cfg.num_train_steps:
         ckpt.close()
@@ -267,7 +272,7 @@ def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
                 record["config_changes"], config_changes = config_changes, ""
             writer.write(it, record)
             last_save_s = 0.0
-            save = functools.partial(_save, ckpt, it, state, iterator, cfg, fingerprint)
+            save = functools.partial(_save, ckpt, it, state, iterator, cfg, fingerprint, writer)
             saved = it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps
             if saved:
                 last_save_s = save()

@@ -9,6 +9,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# gcsfs probes a bucket's type over gRPC, which the GCS emulator of test_gcs_workdir.py does
+# not serve (each probe waits for its timeout); read when gcsfs is imported, so set here
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # Most of the suite's time is XLA compiling the same small programs (the debug config's
 # step, sampler and engine) in test after test and in the runs tests start as processes:
 # jax's persistent compilation cache, keyed by the program and the jax/XLA versions and
