@@ -122,10 +122,12 @@ def signalled_run(workdir: str, steps: int, cache_dir: str, trials: int, rng: ra
                                 env=env(cache_dir), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         during_save, twice = trial % 3 == 2, trial % 4 == 3
-        delay, t_in = rng.uniform(0.0, max_delay_s), None
+        # counted in steps, not seconds, so whether a launch is stopped does not depend on the
+        # machine's speed: past start-up and `skip` more steps, then a random moment of a step
+        skip, delay, t_in = rng.randint(0, 2), rng.uniform(0.0, max_delay_s), None
         while proc.poll() is None:
-            if t_in is None and _lines(workdir) > base:
-                t_in = time.monotonic()  # in the loop: this launch wrote a step
+            if t_in is None and _lines(workdir) > base + skip:
+                t_in = time.monotonic()  # in the loop: this launch wrote its steps
             if t_in is not None and ((during_save and saving(workdir))
                                      or (not during_save and time.monotonic() - t_in >= delay)
                                      or time.monotonic() - t_in > 10):
