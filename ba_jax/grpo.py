@@ -203,7 +203,8 @@ def clipped_surrogate(
     eps_high: float = 0.28,
     dual_clip: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-token negated clipped surrogate (clip-higher, optional dual clip c for A < 0).
+    """Per-token negated clipped surrogate (clip-higher, optional dual clip c for A < 0);
+    advantages per row [B] or per token [B, T].
 
     aux holds float 0/1 indicators per token: `clip_low_BT` (A < 0 and r < 1 - eps_low),
     `clip_high_BT` (A > 0 and r > 1 + eps_high): the clipped term is active and the
@@ -212,7 +213,8 @@ def clipped_surrogate(
     """
     logp_BT = logp_BT.astype(jnp.float32)
     old_logp_BT = jax.lax.stop_gradient(old_logp_BT).astype(jnp.float32)
-    a_B1 = jax.lax.stop_gradient(adv_B).astype(jnp.float32)[:, None]
+    a_B1 = jax.lax.stop_gradient(adv_B).astype(jnp.float32)
+    a_B1 = a_B1[:, None] if a_B1.ndim == 1 else a_B1  # per row, or per token (packed rows)
     r_BT = jnp.exp(logp_BT - old_logp_BT)
     surr_BT = r_BT * a_B1
     clipped_BT = jnp.clip(r_BT, 1.0 - eps_low, 1.0 + eps_high) * a_B1

@@ -32,7 +32,8 @@ FREE = (
     "data.path", "model.init_path", "tokenizer_path", "rollout.vllm_python",
     # the same computation laid out, chunked or scheduled differently
     "mesh.", "model.attention", "model.remat", "model.scan_unroll", "model.logits_chunk",
-    "grpo.num_microbatches", "rollout.num_slots", "rollout.page_size", "rollout.kv_pages",
+    "grpo.num_microbatches", "grpo.max_tokens_per_device",
+    "rollout.num_slots", "rollout.page_size", "rollout.kv_pages",
     "rollout.prefill_chunk", "rollout.vllm_enforce_eager", "reward.num_workers",
     "reward.inline_dapo",
     # measured, not used: with engine log-probs a check recomputes and logs the mismatch only

@@ -33,6 +33,7 @@ from ba_jax import (
     distributed,
     experience,
     optim,
+    packing,
     paths,
     preemption,
     resume,
@@ -224,7 +225,11 @@ def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
                        num_samples=r.num_samples, num_minibatches=g.num_minibatches,
                        num_updates=g.num_updates,
                        recompute_old_logp=build.old_logp_recompute(cfg),
-                       compute_dtype=run_config.DTYPES[cfg.model.dtype])
+                       compute_dtype=run_config.DTYPES[cfg.model.dtype],
+                       max_tokens_per_device=g.max_tokens_per_device,
+                       attn_cost=packing.attention_cost(
+                           model_cfg.num_layers, model_cfg.num_heads, model_cfg.head_dim,
+                           sum(x.size for x in jax.tree.leaves(state["params"]))))
     sampling = build.sampling_settings(cfg, eos_ids, tokenizer.pad_token_id)
     exp_settings = build.experience_settings(cfg)
     writer = metrics_lib.MetricsWriter(workdir, total_steps=cfg.num_train_steps, start_step=start,

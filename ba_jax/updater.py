@@ -28,7 +28,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from ba_jax import aggregation, correction, distributed, grpo, integrity, sharding
+from ba_jax import (
+    aggregation,
+    correction,
+    distributed,
+    grpo,
+    integrity,
+    packed,
+    packing,
+    sharding,
+)
 
 
 def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
@@ -42,19 +51,24 @@ def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
     return total, m
 
 
-def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_groups: int):
-    """One optimizer step on one mini-batch; a non-finite loss, gradient, new parameter or
-    optimizer moment leaves the state unchanged (counted in `nonfinite`)."""
+def weigh(batch, *, loss: grpo.LossSettings, num_groups: int) -> dict:
+    """The per-token inputs a mini-batch's loss needs besides its log-probs, computed on
+    the whole mini-batch before it is split: the rule's weights `w_BR` and, with the
+    rollout correction, its factor `pg_factor_BR` (row-wise: sequence-level IS/RS)."""
     rule = aggregation.resolve_rule(loss.aggregation)
-    w_BR = aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"], batch["group_id_B"],
-                                     num_groups, **loss.rule_options)
-    batch = dict(batch, w_BR=w_BR)
-    if loss.correction.active:  # the rollout correction: row-wise, on the whole mini-batch
-        batch["pg_factor_BR"] = correction.pg_factor(
-            batch["old_logp_BR"], batch.pop("engine_logp_BR"), batch["mask_BR"], loss.correction)
-    loss_fn = functools.partial(_loss_fn, graphdef=graphdef, loss=loss)
-    total, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch,
-                                                  loss.num_microbatches)
+    out = dict(w_BR=aggregation.token_weights(rule, batch["mask_BR"], batch["adv_B"],
+                                              batch["group_id_B"], num_groups,
+                                              **loss.rule_options))
+    if loss.correction.active:
+        out["pg_factor_BR"] = correction.pg_factor(
+            batch["old_logp_BR"], batch["engine_logp_BR"], batch["mask_BR"], loss.correction)
+    return out
+
+
+def apply_gradients(state, total, grads, aux, *, tx):
+    """The optimizer step from a mini-batch's summed loss, gradient and metrics; a
+    non-finite loss, gradient, new parameter or optimizer moment leaves the state unchanged
+    (counted in `nonfinite`) -> (state, metrics)."""
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -77,6 +91,16 @@ def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_group
     if "kl" in aux:
         out["kl"] = aux["kl"]
     return new_state, out
+
+
+def train_step(state, batch, *, graphdef, tx, loss: grpo.LossSettings, num_groups: int):
+    """One optimizer step on one padded mini-batch (`apply_gradients`)."""
+    batch = dict(batch, **weigh(batch, loss=loss, num_groups=num_groups))
+    batch.pop("engine_logp_BR", None)
+    loss_fn = functools.partial(_loss_fn, graphdef=graphdef, loss=loss)
+    total, grads, aux = grpo.accumulate_gradients(loss_fn, state["params"], batch,
+                                                  loss.num_microbatches)
+    return apply_gradients(state, total, grads, aux, tx=tx)
 
 
 def make_train_step(loss: grpo.LossSettings, graphdef, tx: optax.GradientTransformation,
@@ -151,15 +175,22 @@ class Updater:
     stats_fn: Any = None  # the mismatch between the engine's log-probs and the trainer's
     ref_params: Any = None  # the frozen KL reference (None: no KL term)
     ref_fn: Any = None
+    packed: Any = None  # packed.PackedFns (grpo.max_tokens_per_device > 0), else padded rows
+    weigh_fn: Any = None  # the packed path's `weigh` on a padded mini-batch
+    row_devices: int = 1  # data * fsdp: rows of a packed block
+    microbatches: int = 1  # the padded step's micro-batches per mini-batch
 
 
 def make_updater(loss: grpo.LossSettings, graphdef, tx, state, mesh, *, prompts_per_step: int,
                  sample_shards: int, num_samples: int, num_minibatches: int, num_updates: int,
-                 recompute_old_logp: bool, compute_dtype) -> Updater:
+                 recompute_old_logp: bool, compute_dtype, max_tokens_per_device: int = 0,
+                 attn_cost: float = 0.0) -> Updater:
     """The run's `Updater`: the train step, the reference (the starting policy in the
     compute dtype, sharded like it) when the loss has a KL term, the trainer's forward
     before the update when it gives pi_old (`recompute_old_logp`) or checks the engine's
-    every `loss.correction.check_every` steps."""
+    every `loss.correction.check_every` steps. `max_tokens_per_device` > 0 packs every pass
+    into blocks of that many tokens per row device (`packed.py`; `attn_cost`:
+    `packing.attention_cost` of the model, for balancing)."""
     M, P = num_minibatches, prompts_per_step
     rep = NamedSharding(mesh, PS())
     upd = Updater(
@@ -179,6 +210,16 @@ def make_updater(loss: grpo.LossSettings, graphdef, tx, state, mesh, *, prompts_
         upd.old_fn = make_reference_fn(loss.num_microbatches, graphdef, state["params"], mesh)
         upd.stats_fn = jax.jit(functools.partial(correction.statistics, s=loss.correction),
                                out_shardings=rep)
+    upd.row_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    upd.microbatches = loss.num_microbatches
+    if max_tokens_per_device > 0:
+        upd.packed = packed.make_packed(
+            loss, graphdef, state, mesh, budget=int(max_tokens_per_device),
+            attn_cost=attn_cost, ref_params=upd.ref_params,
+            apply_gradients=functools.partial(apply_gradients, tx=tx))
+        upd.weigh_fn = jax.jit(functools.partial(weigh, loss=loss, num_groups=P // M),
+                               out_shardings=upd.row_sharding)
+        upd.ref_fn = upd.old_fn = None  # the packed forwards replace the padded ones
     return upd
 
 
@@ -195,33 +236,114 @@ def _checks(upd: Updater, state) -> bool:
     return rl_step % upd.check_every == 0
 
 
+@dataclasses.dataclass
+class _Packing:
+    """One mini-batch's packed blocks: index arrays on the devices, and the plan's figures."""
+
+    idx: list  # per block: packing.block_indices' arrays, row-sharded
+    num_blocks: int
+    loads_KD: np.ndarray  # this process's loads
+
+
+def _pack(upd: Updater, mb: dict[str, np.ndarray]) -> _Packing:
+    """Plan this process's rows of mini-batch `mb` into blocks, the block count agreed by
+    every process (the largest; the others run empty blocks)."""
+    pk, procs = upd.packed, jax.process_count()
+    p_B, r_B = packing.sequence_lengths(mb["prompt_mask_BT"], mb["mask_BR"])
+    pl = packing.plan(packing.packed_lengths(p_B, r_B), upd.row_devices // procs, pk.budget,
+                      attn_cost=pk.attn_cost)
+    pl = pl.with_blocks(int(distributed.gather_rows(
+        dict(n=np.array([pl.num_blocks])))["n"].max()))
+    idx = packing.block_indices(pl, p_B, r_B, mb["prompt_tokens_BT"].shape[1],
+                                mb["tokens_BR"].shape[1],
+                                row_offset=jax.process_index() * len(p_B))
+    dev = [distributed.put_local_rows({k: v[j] for k, v in idx.items()}, upd.row_sharding)
+           for j in range(pl.num_blocks)]
+    return _Packing(dev, pl.num_blocks, pl.load_KD)
+
+
+def _packed_forward(pk, fn, params, mb: dict, pkg: _Packing):
+    """A packed forward over every block of a mini-batch, its log-probs scattered back to
+    the padded [B, R] layout (where the correction and its statistics are row-wise)."""
+    out = pk.zeros_BR_fn(mb["mask_BR"])
+    for idx in pkg.idx:
+        out = pk.unpack_fn(out, fn(params, pk.inputs_fn(mb, idx)), idx)
+    return out
+
+
+def _token_metrics(upd: Updater, mbs: list[dict[str, np.ndarray]], packs: list | None
+                   ) -> dict[str, float]:
+    """train_token_fraction (real tokens over the token slots every pass computed: the
+    same layout serves each pass of a mini-batch), train_microbatches (micro-batches of one
+    pass over the step), pack_imbalance (packing.imbalance over the row devices)."""
+    real = slots = 0
+    loads = []
+    for j, mb in enumerate(mbs):
+        p_B, r_B = packing.sequence_lengths(mb["prompt_mask_BT"], mb["mask_BR"])
+        real += int(packing.packed_lengths(p_B, r_B).sum())
+        if packs is None:
+            slots += mb["tokens_BR"].shape[0] * (
+                mb["prompt_tokens_BT"].shape[1] + mb["tokens_BR"].shape[1] - 1)
+        else:
+            slots += packs[j].num_blocks * packs[j].loads_KD.shape[1] * upd.packed.budget
+            loads.append(packs[j].loads_KD.T)  # [local devices, blocks]
+    g = distributed.gather_rows(dict(real=np.array([real]), slots=np.array([slots])))
+    out = dict(train_token_fraction=float(g["real"].sum() / max(g["slots"].sum(), 1)))
+    if packs is None:
+        out.update(train_microbatches=float(upd.num_minibatches * upd.microbatches),
+                   pack_imbalance=1.0)
+    else:
+        full = distributed.gather_rows(dict(l=np.concatenate(loads, axis=1)))["l"]
+        out.update(train_microbatches=float(sum(p.num_blocks for p in packs)),
+                   pack_imbalance=packing.imbalance(full.T))
+    return out
+
+
 def update(upd: Updater, state, batch: dict[str, np.ndarray]):
     """One RL step's update of `state` on this process's rows of `batch` -> (state, metrics:
     the mean of every mini-batch update's, `nonfinite_updates`, `diag_*` of the whole batch,
-    and the engine/trainer mismatch `rollout_*` (`correction.summarize`) where the trainer's
-    log-probs were computed: every step with `recompute`, else on check steps)."""
-    row_sh, M = upd.row_sharding, upd.num_minibatches
+    the engine/trainer mismatch `rollout_*` (`correction.summarize`) where the trainer's
+    log-probs were computed: every step with `recompute`, else on check steps, and the
+    layout's `train_token_fraction`, `train_microbatches`, `pack_imbalance`)."""
+    row_sh, M, pk = upd.row_sharding, upd.num_minibatches, upd.packed
     dev = distributed.put_local_rows(
         {k: batch[k] for k in ("mask_BR", "adv_B", "group_id_B")}, row_sh)
     diag = upd.diag_fn(dev["mask_BR"], dev["adv_B"], dev["group_id_B"])
-    mbs = [distributed.put_local_rows(
-        minibatch(batch, m, M, upd.groups_per_shard, upd.num_samples), row_sh)
-        for m in range(M)]
+    host_mbs = [minibatch(batch, m, M, upd.groups_per_shard, upd.num_samples)
+                for m in range(M)]
+    packs = None if pk is None else [_pack(upd, mb) for mb in host_mbs]
+    mbs = [distributed.put_local_rows(mb, row_sh) for mb in host_mbs]
+    old_fn = upd.old_fn if pk is None else pk.logp_fn
     stats, check = [], _checks(upd, state)
-    for mb in mbs:  # before any update of this step: the policy that sampled
+    for j, mb in enumerate(mbs):  # before any update of this step: the policy that sampled
         if check:
-            trainer_logp = upd.old_fn(state["params"], mb)
+            trainer_logp = (old_fn(state["params"], mb) if pk is None else
+                            _packed_forward(pk, old_fn, state["params"], mb, packs[j]))
             stats.append(upd.stats_fn(trainer_logp, mb["old_logp_BR"], mb["mask_BR"]))
             if upd.recompute:  # else the check only measures: pi_old stays the engine's
                 if upd.corr.active:
                     mb["engine_logp_BR"] = mb["old_logp_BR"]
                 mb["old_logp_BR"] = trainer_logp
-        if upd.ref_fn is not None:
-            mb["ref_logp_BR"] = upd.ref_fn(upd.ref_params, mb)
+        if upd.ref_params is not None:
+            mb["ref_logp_BR"] = (upd.ref_fn(upd.ref_params, mb) if pk is None else
+                                 _packed_forward(pk, pk.ref_logp_fn, upd.ref_params, mb,
+                                                 packs[j]))
+    if pk is not None:  # weights on the whole mini-batch, then gathered with their tokens
+        blocks = []
+        for mb, pkg in zip(mbs, packs):
+            mb.update(upd.weigh_fn(mb))
+            blocks.append([dict(pk.inputs_fn(mb, idx), **pk.fields_fn(mb, idx))
+                           for idx in pkg.idx])
     step_metrics = []
     for _ in range(upd.num_updates):
-        for mb in mbs:
-            state, out = upd.step_fn(state, mb)
+        for j, mb in enumerate(mbs):
+            if pk is None:
+                state, out = upd.step_fn(state, mb)
+            else:
+                acc = pk.zeros_fn(state["params"])
+                for blk in blocks[j]:
+                    acc = pk.acc_fn(state["params"], acc, blk)
+                state, out = pk.apply_fn(state, acc)
             step_metrics.append(out)
     step_metrics = jax.device_get(step_metrics)
     metrics = {k: float(np.mean([o[k] for o in step_metrics])) for k in step_metrics[-1]}
@@ -229,4 +351,5 @@ def update(upd: Updater, state, batch: dict[str, np.ndarray]):
     metrics.update({f"diag_{k}": v for k, v in jax.device_get(diag).items()})
     if stats:
         metrics.update(correction.summarize(jax.device_get(stats), upd.corr))
+    metrics.update(_token_metrics(upd, host_mbs, packs))
     return state, metrics

@@ -118,6 +118,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             num_updates=1,  # PPO epochs over each rollout batch
             num_minibatches=1,  # optimizer steps per epoch (whole groups per mini-batch)
             num_microbatches=1,  # gradient accumulation inside one optimizer step
+            # Packed train step: each pass (update, old-log-prob recompute, KL reference)
+            # runs on blocks of this many real tokens per row device, sequences side by
+            # side with padding removed, as many blocks as a mini-batch needs (the packer
+            # balances the devices' loads); num_microbatches must then be 1. 0: padded rows
+            # of prompt bucket + max_new_tokens.
+            max_tokens_per_device=0,
             dynamic_sampling=False,
             max_resample_rounds=3,
             overlong_buffer=0,  # 0 disables DAPO overlong shaping
