@@ -109,10 +109,11 @@ def plan(lengths_B: np.ndarray, num_devices: int, budget: int, *, attn_cost: flo
     `num_devices` rows of `budget` tokens, at most `max_segments(budget)` per row.
 
     balanced: longest first, each into the least loaded row (tokens + attn_cost * L^2)
-    that still has room, over every row of every micro-batch; when one does not fit, one
-    more micro-batch and start again. Balanced loads keep devices in step within a
-    micro-batch. ffd: longest first into the first row with room (fewest rows; loads as
-    they fall), for comparison.
+    that still has room, over every row of every micro-batch (balanced loads keep the
+    devices in step within a micro-batch); where that leaves no room for a sequence, the
+    first-fit-decreasing assignment of the same micro-batch count if it fits, else one
+    more micro-batch. ffd: longest first into the first row with room (fewest rows; loads
+    as they fall), for comparison.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"packing strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
@@ -121,34 +122,42 @@ def plan(lengths_B: np.ndarray, num_devices: int, budget: int, *, attn_cost: flo
     cost = L + attn_cost * L.astype(np.float64) ** 2
     order = np.lexsort((np.arange(len(L)), -cost))  # longest first, ties by row
     order = order[L[order] > 0]
-    seg_cap = max_segments(budget)
     n = max(int(min_blocks), -(-int(L.sum()) // (num_devices * budget)), 1)
+    tries = ("balanced", "ffd") if strategy == "balanced" else ("ffd",)
     while True:
-        bins = n * num_devices
-        tok, load = np.zeros(bins, np.int64), np.zeros(bins)
-        segs = np.zeros(bins, np.int64)
-        where = np.full(len(L), -1, np.int64)
-        offset = np.full(len(L), -1, np.int64)
-        ok = True
-        for i in order:
-            room = (tok + L[i] <= budget) & (segs < seg_cap)
-            if not room.any():
-                ok = False
+        for how in tries:
+            got = _assign(L, cost, order, n * num_devices, budget, max_segments(budget), how)
+            if got is not None:
                 break
-            j = (int(np.argmin(np.where(room, load, np.inf))) if strategy == "balanced"
-                 else int(np.argmax(room)))
-            where[i], offset[i] = j, tok[j]
-            tok[j] += L[i]
-            load[j] += cost[i]
-            segs[j] += 1
-        if ok:
+        if got is not None:
             break
         n += 1
+    where, offset, tok, load = got
     block = np.where(where >= 0, where // num_devices, -1)
     device = np.where(where >= 0, where % num_devices, -1)
     return Plan(block_B=block, device_B=device, offset_B=offset, num_blocks=n,
                 num_devices=num_devices, budget=budget,
                 load_KD=load.reshape(n, num_devices), tokens_KD=tok.reshape(n, num_devices))
+
+
+def _assign(L, cost, order, bins: int, budget: int, seg_cap: int, how: str):
+    """(bin of each row, its offset, tokens and load per bin), or None when a sequence
+    finds no bin with room."""
+    tok, load = np.zeros(bins, np.int64), np.zeros(bins)
+    segs = np.zeros(bins, np.int64)
+    where = np.full(len(L), -1, np.int64)
+    offset = np.full(len(L), -1, np.int64)
+    for i in order:
+        room = (tok + L[i] <= budget) & (segs < seg_cap)
+        if not room.any():
+            return None
+        j = (int(np.argmin(np.where(room, load, np.inf))) if how == "balanced"
+             else int(np.argmax(room)))
+        where[i], offset[i] = j, tok[j]
+        tok[j] += L[i]
+        load[j] += cost[i]
+        segs[j] += 1
+    return where, offset, tok, load
 
 
 def block_indices(pl: Plan, p_B: np.ndarray, r_B: np.ndarray, prompt_len: int,

@@ -33,9 +33,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(workdir: str, steps: int) -> list[subprocess.Popen]:
+def _launch(workdir: str, steps: int, extra: dict | None = None) -> list[subprocess.Popen]:
     port = _free_port()
-    args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+    args = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **(extra or {})}.items()]
     procs = []
     for pid in range(2):
         env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -62,8 +62,8 @@ def _wait(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
-def _two_processes(workdir: str, steps: int) -> None:
-    procs = _launch(workdir, steps)
+def _two_processes(workdir: str, steps: int, extra: dict | None = None) -> None:
+    procs = _launch(workdir, steps, extra)
     for p, out in zip(procs, _wait(procs)):
         assert p.returncode == 0, out[-4000:]
 
@@ -86,6 +86,31 @@ def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
     for a, b in zip(rm, rs):
         assert a.keys() == b.keys()
         for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+PACKED = {"grpo.max_tokens_per_device": 80}  # the debug rows: 64 + 8 - 1 tokens at most
+
+
+@pytest.mark.slow
+def test_two_processes_packed_equal_one_process_padded(tmp_path):
+    """Each process packs its own rows into blocks on its own 4 devices, the block count
+    agreed by both (the larger; the other runs empty blocks): two steps give the parameters
+    and metrics of a padded single-process run on 8 devices."""
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    _two_processes(multi, 2, PACKED)
+    train.train_and_evaluate(debug_config(num_train_steps=2, **OVERRIDES), single)
+    (s_m, p_m, _), (s_s, p_s, _) = params_of(multi), params_of(single)
+    assert s_m == s_s == 2
+    for a, b in zip(p_m, p_s):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    layout = TIMING + ("train_token_fraction", "train_microbatches", "pack_imbalance")
+    rm, rs = read_metrics(multi), read_metrics(single)
+    assert [r["step"] for r in rm] == [1, 2]
+    for a, b in zip(rm, rs):
+        assert a.keys() == b.keys()
+        assert a["train_token_fraction"] > b["train_token_fraction"]
+        for k in set(a) - set(layout):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 

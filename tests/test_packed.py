@@ -205,3 +205,27 @@ def test_too_long_sequence_and_microbatches_are_startup_errors():
                                           "grpo.num_microbatches": 2}), 1)
     with pytest.raises(ValueError, match="row 1: a sequence of 40 tokens does not fit .*=32"):
         packing.plan(np.array([5, 40]), 1, 32)
+
+
+def test_agreed_block_count_runs_empty_blocks(monkeypatch):
+    """Under several processes the block count is the largest any process needs: here the
+    other process is made to need 2 more, so this one runs 2 empty blocks (all padding),
+    which change no sum: still the padded step's result."""
+    from ba_jax import distributed
+
+    real = distributed.gather_rows
+
+    def other_needs_more(rows):
+        if set(rows) == {"n"}:
+            return dict(n=np.concatenate([rows["n"], rows["n"] + 2]))
+        return real(rows)
+
+    cfg = _config(1)
+    batch = _batch(cfg, "mixed")
+    batch["old_logp_BR"] = _old_logp(cfg, batch)
+    padded = _run(cfg, 1, 0, batch, 1.0)
+    alone = _run(cfg, 1, 48, batch, 1.0)[0]["train_microbatches"]
+    monkeypatch.setattr(distributed, "gather_rows", other_needs_more)
+    packed = _run(cfg, 1, 48, batch, 1.0)
+    _assert_same(padded, packed)
+    assert packed[0]["train_microbatches"] == alone + 2
