@@ -10,6 +10,9 @@ allocated: shapes come from `jax.eval_shape` of the real model and optimizer, pe
 bytes from the sharding rules (`sharding.spec_for` on an abstract mesh, so a slice larger
 than this machine can be planned).
 
+Packed updates (`grpo.max_tokens_per_device` > 0): `plan_packed.py` gives the shapes, the
+held data and the compile of the block and optimizer programs.
+
 Exact: parameters, gradients, gradient accumulator, optimizer state, the batch, the KV
 cache. Estimated: activations, as a sum of terms (bytes per element x element count,
 `COEF_TERMS`, `activation_estimate`) whose coefficients were fitted to XLA's compiled
@@ -208,7 +211,8 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     b.update(activations_remat=act["full"]["total"], activations_no_remat=act["none"]["total"],
              attention_scores_per_layer=act["full"].get("attention_scores", 0),
              logits=act[remat]["head_chunk"], sampler_transient=samp["total"] - samp["kv_cache"],
-             train_apply=train_apply, train_peak=train_peak, sample_call=sample_call, sample_peak=sample_peak, peak=peak)
+             train_apply=train_apply, train_peak=train_peak, sample_call=sample_call,
+             sample_peak=sample_peak, peak=peak)
     p["terms"] = dict(train=act[remat], sample=samp)
     p["fits"] = {name: peak <= usable_fraction * gib * GIB for name, gib in DEVICES.items()}
     p["slots_that_fit"] = slots_that_fit(p, samp)
@@ -382,8 +386,8 @@ FIT_DEVICE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTION) -> dict:
     """The smallest device count (powers of two up to 1024), and with it the fewest
-    micro-batches (`grpo.num_microbatches` dividing the rows evenly over the devices), at
-    which the plan of `cfg` fits `device`. Returns `dict(num_devices, num_microbatches,
+    micro-batches (`grpo.num_microbatches` dividing the rows evenly over the devices; packed
+    configs keep their budget and 1), at which the plan of `cfg` fits `device`. Returns `dict(num_devices, num_microbatches,
     plan)`, all None when nothing fits; the config itself is not changed."""
     from ba_jax import run_config
 
@@ -393,7 +397,7 @@ def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTIO
             dp = (lambda a: a["data"] * a["fsdp"])(run_config.mesh_axes(cfg, n))
         except run_config.ConfigError:
             continue  # a mesh fixed in the config that n devices cannot hold
-        for k in range(1, rows + 1):
+        for k in range(1, 2 if plan_packed.budget(cfg) else rows + 1):  # packed: k = 1
             if rows % k or (rows // k) % dp:
                 continue
             trial = cfg.copy_and_resolve_references()

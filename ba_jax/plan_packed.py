@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ba_jax import experience, packed, packing
+from ba_jax import experience, packed
 
 # Bytes per element of the block fields (`packed.py`): tokens, segment ids, positions,
 # targets int32, scored bool, mask, old_logp, w, adv float32; ref_logp (KL) and pg_factor
