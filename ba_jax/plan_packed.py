@@ -64,8 +64,7 @@ def packed_shapes(cfg: Any) -> dict:
 
 def _fields(loss) -> int:
     """Block bytes per token of a run's loss settings."""
-    return BLOCK_BYTES + 4 * (loss.kl_kind is not None and bool(loss.kl_kind)) + 4 * bool(
-        loss.correction.active)
+    return BLOCK_BYTES + 4 * bool(loss.kl_kind) + 4 * bool(loss.correction.active)
 
 
 def held_bytes(cfg: Any, rows: int, row_devices: int) -> dict[str, int]:
