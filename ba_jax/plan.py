@@ -10,6 +10,9 @@ allocated: shapes come from `jax.eval_shape` of the real model and optimizer, pe
 bytes from the sharding rules (`sharding.spec_for` on an abstract mesh, so a slice larger
 than this machine can be planned).
 
+Packed updates (`grpo.max_tokens_per_device` > 0): `plan_packed.py` gives the shapes, the
+held data and the compile of the block and optimizer programs.
+
 Exact: parameters, gradients, gradient accumulator, optimizer state, the batch, the KV
 cache. Estimated: activations, as a sum of terms (bytes per element x element count,
 `COEF_TERMS`, `activation_estimate`) whose coefficients were fitted to XLA's compiled
@@ -26,7 +29,7 @@ from typing import Any, TypedDict
 import jax
 import numpy as np
 
-from ba_jax import experience, optim, sampling
+from ba_jax import experience, optim, plan_packed, sampling
 from ba_jax.engine import loop as engine_loop
 from ba_jax.engine import paging
 from ba_jax.engine import shapes as engine_shapes
@@ -50,8 +53,10 @@ class MemoryPlan(TypedDict):
     compute_dtype: str
     itemsize: int  # bytes per element of the compute dtype
     rows: int  # a mini-batch's rows
-    microbatch_rows_per_device: int
-    seq_len: int  # T: prompt bucket + R - 1
+    microbatch_rows_per_device: int  # packed: 1 (one row of the budget)
+    seq_len: int  # T: prompt bucket + R - 1; packed: the budget
+    max_tokens_per_device: int  # grpo.max_tokens_per_device (0: padded rows)
+    blocks_per_minibatch: int  # packed: the longest step's blocks; padded: micro-batches
     prompt_bucket: int
     use_remat: bool
     usable_fraction: float
@@ -143,8 +148,9 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     params_total, params_dev = tree_bytes(params, mesh)
     opt_total, opt_dev = tree_bytes(opt_state, mesh)
     f32_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), params)
-    k = cfg.grpo.num_microbatches
-    accum_dev = tree_bytes(f32_params, mesh)[1] if k > 1 else 0  # f32 sum over micro-batches
+    k, S = cfg.grpo.num_microbatches, plan_packed.budget(cfg)
+    # f32 sum over micro-batches (packed: always, the host adds every block into it)
+    accum_dev = tree_bytes(f32_params, mesh)[1] if k > 1 or S else 0
 
     dp = axes["data"] * axes["fsdp"]
     rows = train_rows(cfg)
@@ -171,15 +177,22 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
 
     decode_dev = tree_bytes(decode_params(params, dtype), mesh, sharding.DECODE_RULES)[1]
     # the train step's mini-batch on one device: int32 / float32 ids, masks, log-probs
-    batch_dev = _per_dev(rows, dp) * (2 * Tp + 3 * R + 2) * 4
+    batch_dev, block_dev, blocks = _per_dev(rows, dp) * (2 * Tp + 3 * R + 2) * 4, 0, k
+    if S:  # packed: one row of S tokens per device; every mini-batch and block stays
+        shapes.update(plan_packed.packed_shapes(cfg))
+        mb_rows_dev, T = shapes["microbatch_rows_per_device"], shapes["seq_len"]
+        held = plan_packed.held_bytes(cfg, rows, dp)
+        batch_dev, block_dev = held["minibatches"] + held["blocks"], held["block"]
+        blocks = plan_packed.blocks_per_minibatch(cfg, rows, dp)
     p = dict(
         num_devices=num_devices, mesh=axes, model=mc, param_count=param_count,
         param_dtype=cfg.model.param_dtype, compute_dtype=cfg.model.dtype, itemsize=itemsize,
         rows=rows, microbatch_rows_per_device=mb_rows_dev, seq_len=T, prompt_bucket=Tp,
+        max_tokens_per_device=S, blocks_per_minibatch=blocks,
         use_remat=remat == "full", usable_fraction=usable_fraction, warnings=warnings,
         shapes=shapes, global_bytes=dict(params=params_total, optimizer=opt_total),
         bytes=dict(params=params_dev, grads=params_dev, grad_accumulator=accum_dev,
-                   optimizer=opt_dev, batch=batch_dev, kv_cache=kv_cache,
+                   optimizer=opt_dev, batch=batch_dev, block=block_dev, kv_cache=kv_cache,
                    decode_weights=decode_dev),
     )
     act = {m: activation_estimate(dict(p, shapes=dict(shapes, remat=m)), "train")
@@ -188,13 +201,18 @@ def plan(cfg: Any, num_devices: int, *, usable_fraction: float = USABLE_FRACTION
     b = p["bytes"]
     resident = params_dev + opt_dev
     train_peak = resident + batch_dev + exact_temp_bytes(p, "train") + act[remat]["total"]
+    # packed: the optimizer step is a program of its own (the accumulator, its scratch)
+    train_apply = (resident + batch_dev + accum_dev + plan_packed.apply_temp_bytes(accum_dev)
+                   if S else 0)
+    train_peak = max(train_peak, train_apply)
     sample_call = decode_dev + samp["total"]  # what the sampler's own program holds
     sample_peak = resident + sample_call  # ... beside the train state on the device
     peak = max(train_peak, sample_peak)
     b.update(activations_remat=act["full"]["total"], activations_no_remat=act["none"]["total"],
              attention_scores_per_layer=act["full"].get("attention_scores", 0),
              logits=act[remat]["head_chunk"], sampler_transient=samp["total"] - samp["kv_cache"],
-             train_peak=train_peak, sample_call=sample_call, sample_peak=sample_peak, peak=peak)
+             train_apply=train_apply, train_peak=train_peak, sample_call=sample_call,
+             sample_peak=sample_peak, peak=peak)
     p["terms"] = dict(train=act[remat], sample=samp)
     p["fits"] = {name: peak <= usable_fraction * gib * GIB for name, gib in DEVICES.items()}
     p["slots_that_fit"] = slots_that_fit(p, samp)
@@ -306,7 +324,10 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     (nothing allocated), beside the planner's estimate:
     `{"train": {...}, "sample": {...}}`, each with the integer keys `argument_bytes`,
     `output_bytes`, `temp_bytes`, `planned_bytes` (a contract), and `alias_bytes` and
-    `peak_bytes` (argument + output - alias + temp: what is live at once). The figures are
+    `peak_bytes` (argument + output - alias + temp: what is live at once). Packed
+    (`grpo.max_tokens_per_device` > 0): "train" is `plan_packed.compiled_train`'s, the
+    larger of the block program's peak plus the optimizer state and held data beside it
+    and the optimizer program's plus the held data. The figures are
     the compiler's for this process's backend; on CPU run with
     `XLA_FLAGS=--xla_force_host_platform_device_count=N` (the `--compile` command sets it).
     `devices`: compile for these instead of the process's default devices."""
@@ -327,9 +348,13 @@ def compiled_memory(cfg: Any, num_devices: int, *, devices: list | None = None) 
     graphdef, tx, state, batch = abstract_train_inputs(cfg, mesh)
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.num_samples
     M = cfg.grpo.num_minibatches
-    step = train.make_train_step(build.loss_settings(cfg), graphdef, tx, state, mesh,
-                                 num_groups=P // M)
-    out = dict(train=_memory(step.trace(state, batch).lower().compile()))
+    if plan_packed.budget(cfg):  # the packed update's two programs, and what sits beside them
+        out = dict(train=plan_packed.compiled_train(cfg, mesh, graphdef, tx, state,
+                                                    train_rows(cfg), _memory))
+    else:
+        step = train.make_train_step(build.loss_settings(cfg), graphdef, tx, state, mesh,
+                                     num_groups=P // M)
+        out = dict(train=_memory(step.trace(state, batch).lower().compile()))
     out["train"]["planned_bytes"] = int(p["bytes"]["train_peak"])
     # The sampler call as the trainer makes it on one process: the decode copy of the
     # policy (engine.call.decode_copy), one call per sampling shard of P / sample_shards prompts.
@@ -361,8 +386,8 @@ FIT_DEVICE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTION) -> dict:
     """The smallest device count (powers of two up to 1024), and with it the fewest
-    micro-batches (`grpo.num_microbatches` dividing the rows evenly over the devices), at
-    which the plan of `cfg` fits `device`. Returns `dict(num_devices, num_microbatches,
+    micro-batches (`grpo.num_microbatches` dividing the rows evenly over the devices; packed
+    configs keep their budget and 1), at which the plan of `cfg` fits `device`. Returns `dict(num_devices, num_microbatches,
     plan)`, all None when nothing fits; the config itself is not changed."""
     from ba_jax import run_config
 
@@ -372,7 +397,7 @@ def fit_search(cfg: Any, device: str, *, usable_fraction: float = USABLE_FRACTIO
             dp = (lambda a: a["data"] * a["fsdp"])(run_config.mesh_axes(cfg, n))
         except run_config.ConfigError:
             continue  # a mesh fixed in the config that n devices cannot hold
-        for k in range(1, rows + 1):
+        for k in range(1, 2 if plan_packed.budget(cfg) else rows + 1):  # packed: k = 1
             if rows % k or (rows // k) % dp:
                 continue
             trial = cfg.copy_and_resolve_references()

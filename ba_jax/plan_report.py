@@ -17,13 +17,19 @@ def format_plan(p: dict, device: str | None = None) -> str:
         f"{p['compute_dtype']} compute), remat {'on' if p['use_remat'] else 'off'}",
         f"mesh: {p['num_devices']} devices = data {m['data']} x fsdp {m['fsdp']} x tensor "
         f"{m['tensor']}",
-        f"batch: {p['rows']} rows per optimizer step, {p['microbatch_rows_per_device']} per "
-        f"device per micro-batch, sequence {p['seq_len']} (prompt bucket {p['prompt_bucket']})",
+        (f"batch: {p['rows']} rows per optimizer step, packed: one row of "
+         f"{p['max_tokens_per_device']} tokens per device per block, up to "
+         f"{p['blocks_per_minibatch']} blocks per mini-batch"
+         if p["max_tokens_per_device"] else
+         f"batch: {p['rows']} rows per optimizer step, {p['microbatch_rows_per_device']} per "
+         f"device per micro-batch, sequence {p['seq_len']} (prompt bucket {p['prompt_bucket']})"),
         "per device:",
         f"  parameters              {g(b['params'])}",
         f"  gradients               {g(b['grads'])}",
         f"  grad accumulator (f32)  {g(b['grad_accumulator'])}",
         f"  optimizer state         {g(b['optimizer'])}",
+        f"  update batch            {g(b['batch'])}" + (
+            "   (mini-batches, blocks, indices)" if p["max_tokens_per_device"] else ""),
         f"  activations, remat      {g(b['activations_remat'])}   (estimate)",
         f"  activations, no remat   {g(b['activations_no_remat'])}   (estimate)",
         f"    of which logits       {g(b['logits'])}",
@@ -35,7 +41,9 @@ def format_plan(p: dict, device: str | None = None) -> str:
             f"{p['shapes']['pages_per_device']} pages per device)"
             if "slots_per_device" in p["shapes"] else "   (static sampler)"),
         f"  sampler transient       {g(b['sampler_transient'])}   (estimate)",
-        f"  peak, train step        {g(b['train_peak'])}",
+        f"  peak, train step        {g(b['train_peak'])}" + (
+            f"   (optimizer step alone {g(b['train_apply']).strip()})"
+            if p["max_tokens_per_device"] else ""),
         f"  peak, sampling          {g(b['sample_peak'])}",
         f"  peak                    {g(b['peak'])}",
     ]
@@ -63,4 +71,8 @@ def format_compiled(out: dict, num_devices: int, platform: str) -> str:
                      f" (aliased {g(m['alias_bytes'])})  temp {g(m['temp_bytes'])}")
         lines.append(f"         peak     {g(m['peak_bytes'])}  planned {g(m['planned_bytes'])}"
                      f"  planned / compiled {m['planned_bytes'] / max(m['peak_bytes'], 1):.2f}")
+        if "acc_peak_bytes" in m:  # packed: the two programs and what sits beside them
+            lines.append(f"         packed: block program {g(m['acc_peak_bytes'])} + beside it "
+                         f"{g(m['resident_bytes'])}; optimizer step {g(m['apply_peak_bytes'])}"
+                         f" + held data {g(m['held_bytes'])}")
     return "\n".join(lines) + "\n"

@@ -60,6 +60,7 @@ def paper_config(model: str, *, response: int = 8192, rows_per_device: int | Non
     cfg.rollout.max_new_tokens = response
     cfg.model.position_limit = max(cfg.model.position_limit, 2048 + response - 1)
     cfg.model.dtype = dtype
+    cfg.grpo.max_tokens_per_device = 0  # these tables are the padded step's (packed: plan.py)
     if rows_per_device:
         rows = plan.train_rows(cfg)
         cfg.grpo.num_microbatches = rows // (rows_per_device * num_devices)

@@ -24,17 +24,23 @@ and Qwen3-1.7B/Polaris 0.4614 / 0.4349 / 0.4640 for sequence / token / BA;
 Qwen2.5-Math-7B/DAPO-17k 0.3446 / 0.3364 / 0.3424, Qwen2.5-Math-7B/Polaris
 0.3172 / 0.3292 / 0.3319.
 
-Hardware (mesh fsdp over every device, 32 micro-batches of 16 rows, one rollout-engine call
-of 512 rows with 48 decode slots; per-device peaks from `python -m ba_jax.plan
---num_devices=N`, checked against the compiler by benchmarks/memory.py, figures in
-docs/benchmarks.md):
+Hardware (mesh fsdp over every device; the update packed, grpo.max_tokens_per_device =
+20,480: one row of 20,480 tokens per device per micro-batch, the packer choosing the
+micro-batches, at most 32 per mini-batch on 8 devices when every response runs to its
+limit; one rollout-engine call of 512 rows with 48 decode slots). Per-device train-step
+figures from `python -m ba_jax.plan --config=configs/paper.py:model=...,data=dapo17k,
+agg=balanced --num_devices=N --compile` (planned / compiled on fake CPU devices; the
+command and the padded figures in docs/benchmarks.md, "Paper shapes, packed"):
   Qwen3-1.7B: 8 devices of >= 32 GiB (8 x H100 / A100-80GB / H200, 8 TPU v5p, v6e or v4
-    chips): 2 rows per device per micro-batch, train step ~13 GiB, sampling ~25 GiB. On
-    80 GiB devices raise rollout.num_slots (plan: up to ~190) for more rows per decode step.
-  Qwen2.5-Math-7B: 16 devices of >= 32 GiB (1 row per device, train ~18 GiB), or 8 of
-    >= 80 GiB (H100 / A100-80GB / H200 / v5p: train ~36 GiB).
-The estimates are XLA:CPU's compiled figures; TPU/GPU keep bf16 intermediates in bf16, so
-on them the peaks are expected lower (only the hardware can confirm by how much).
+    chips): train step 13.3 / 12.4 GiB (padded rows, 32 micro-batches of 16 rows: 13.2 /
+    13.1 GiB), sampling ~24 GiB planned. On 80 GiB devices raise rollout.num_slots (plan:
+    up to ~190) for more rows per decode step.
+  Qwen2.5-Math-7B (same budget): 16 devices of >= 32 GiB (train 26.8 / 24.9 GiB), or 8 of
+    >= 80 GiB (H100 / A100-80GB / H200 / v5p: train 35.6 / 33.5 GiB).
+The figures are XLA:CPU's compiled ones; TPU/GPU keep bf16 intermediates in bf16, so on
+them the peaks are expected lower (only the hardware can confirm by how much). A larger
+budget means fewer, longer blocks: the planner puts Qwen3-1.7B on 8 devices at 15.0 GiB
+with 24,576 tokens.
 """
 
 import importlib.util
@@ -89,7 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat = "full"
     c.model.scan_unroll = 1  # one layer in the compiled program
-    c.model.logits_chunk = 256  # [2 rows, 256, 151,936] f32 logits per chunk: 0.3 GiB
+    c.model.logits_chunk = 256  # [1 row, 256, 151,936] f32 logits per chunk: 0.15 GiB
     c.data.format = DATA[a["data"]]
     c.data.template = template
     c.data.max_prompt_tokens = max_prompt
@@ -113,7 +119,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.grpo.kl_kind, c.grpo.kl_beta = "none", 0.0
     c.grpo.num_updates = 1
     c.grpo.num_minibatches = 1
-    c.grpo.num_microbatches = 32
+    # Packed update (docs/scaling.md): one row of 20,480 tokens per device per micro-batch,
+    # the sequences of a mini-batch laid side by side (verl's DAPO recipe: 2 x (2,048 +
+    # 8,192) per GPU; at least 2,048 + 8,192 - 1, the longest sequence); the packer makes
+    # the micro-batches. Qwen3-1.7B on 8 devices: planned 13.3 GiB, compiled 12.4 GiB.
+    c.grpo.num_microbatches = 1
+    c.grpo.max_tokens_per_device = 20480
     c.grpo.dynamic_sampling = True
     c.grpo.max_resample_rounds = 3
     c.grpo.overlong_buffer = 4096

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ba_jax import build, plan as plan_lib, run_config
+from ba_jax import build, plan as plan_lib, plan_packed, run_config, update_config
 from ba_jax.engine import paging
 from ba_jax.models import qwen
 
@@ -305,7 +305,98 @@ def test_planner_matches_the_compiler_on_a_paper_length_cut():
     m.arch, m.vocab_size, m.hidden_size = mc.arch, mc.vocab_size, mc.hidden_size
     m.intermediate_size, m.num_heads, m.num_kv_heads = mc.intermediate_size, mc.num_heads, mc.num_kv_heads
     m.head_dim, m.tie_word_embeddings, m.max_position_embeddings = mc.head_dim, True, 40960
+    cfg.grpo.max_tokens_per_device = 0  # padded rows (the packed step: tests below)
     cfg.grpo.num_microbatches = plan_lib.train_rows(cfg) // (2 * 8)
     cfg.rollout.sample_shards = 8
     train = plan_lib.compiled_memory(cfg, 8)["train"]
     assert 0.75 <= train["planned_bytes"] / train["peak_bytes"] <= 1.25, train
+
+
+def test_packed_plan_sizes_one_row_of_the_budget():
+    """`grpo.max_tokens_per_device` = S: the activation terms are one row of S tokens per
+    device (at S = 2T the layer terms equal the padded plan's 2 rows of T; the head's chunk
+    is one row's), the float32 accumulator is always there, the update batch holds every
+    block, and the optimizer step is a phase of its own."""
+    padded = _config("paper", PAPER)
+    padded.grpo.max_tokens_per_device = 0
+    padded.grpo.num_microbatches = plan_lib.train_rows(padded) // (2 * 8)
+    pp = plan_lib.plan(padded, 8)
+    T = pp["seq_len"]
+    cfg = _config("paper", PAPER)
+    cfg.grpo.max_tokens_per_device = 2 * T
+    p = plan_lib.plan(cfg, 8)
+    assert (p["max_tokens_per_device"], p["seq_len"], p["microbatch_rows_per_device"]) == (
+        2 * T, 2 * T, 1)
+    assert pp["max_tokens_per_device"] == 0
+    t, tp = p["terms"]["train"], pp["terms"]["train"]
+    for k in ("saved_inputs", "layer_embed", "layer_mlp", "layer_q", "layer_kv", "head_weight"):
+        assert t[k] == tp[k], k
+    assert t["head_chunk"] * 2 == tp["head_chunk"]
+    b = p["bytes"]
+    assert b["grad_accumulator"] == b["params"]  # f32 parameters: the f32 sum's size
+    # 512 rows, every one 10,239 tokens at the longest: 2 per row of 20,478, 8 rows a block
+    assert p["blocks_per_minibatch"] == 32
+    assert b["batch"] > 32 * b["block"] > 0
+    assert b["train_apply"] == (b["params"] + b["optimizer"] + b["batch"]
+                                + b["grad_accumulator"]
+                                + plan_packed.apply_temp_bytes(b["grad_accumulator"]))
+    assert b["train_peak"] == max(b["train_apply"], b["params"] + b["optimizer"] + b["batch"]
+                                  + b["grads"] + b["grad_accumulator"] + t["total"])
+
+
+def _tiny_packed(budget: int, **grpo):
+    """A small Qwen3-shaped model (D 512, 2 layers, vocab 8,192) packed into rows of
+    `budget` tokens on 8 devices (fsdp), bf16 compute, chunked attention."""
+    cfg = _config("paper", PAPER)
+    m = cfg.model
+    m.preset, m.init, m.num_layers, m.arch = "", "random", 2, "qwen3"
+    m.vocab_size, m.hidden_size, m.intermediate_size = 8192, 512, 1536
+    m.num_heads, m.num_kv_heads, m.head_dim = 8, 4, 64
+    m.tie_word_embeddings, m.max_position_embeddings, m.attention = True, 40960, "chunked"
+    cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens = 256, 768
+    cfg.rollout.prompts_per_step, cfg.rollout.num_samples = 8, 8
+    cfg.rollout.sample_shards, cfg.rollout.num_slots = 8, 8
+    cfg.grpo.num_microbatches, cfg.grpo.max_tokens_per_device = 1, budget
+    for k, v in grpo.items():
+        setattr(cfg.grpo, k, v)
+    update_config.check_packing(cfg)
+    return cfg
+
+
+def test_packed_compile_matches_the_planner():
+    """`compiled_memory` of a packed config compiles the real `acc_fn` and `apply_fn`: the
+    train figure is the larger of the block program's peak plus the optimizer state and
+    held data beside it and the optimizer step's plus the held data, within 25% of the
+    plan; the contract's keys are those of the program that sets it."""
+    cfg = _tiny_packed(1024)
+    out = plan_lib.compiled_memory(cfg, 8)
+    tr = out["train"]
+    assert CONTRACT_KEYS <= set(tr) and all(isinstance(v, int) for v in tr.values())
+    assert tr["peak_bytes"] == max(tr["acc_peak_bytes"] + tr["resident_bytes"],
+                                   tr["apply_peak_bytes"] + tr["held_bytes"])
+    assert tr["acc_peak_bytes"] == (tr["argument_bytes"] + tr["output_bytes"]
+                                    - tr["alias_bytes"] + tr["temp_bytes"])
+    # the accumulator comes back in place: only the block is a fresh argument besides it
+    p = plan_lib.plan(cfg, 8)
+    assert tr["output_bytes"] - tr["alias_bytes"] < 4096
+    assert tr["resident_bytes"] == (p["bytes"]["optimizer"] + p["bytes"]["batch"]
+                                    - p["bytes"]["block"])
+    assert tr["planned_bytes"] == p["bytes"]["train_peak"]
+    assert 0.75 <= tr["planned_bytes"] / tr["peak_bytes"] <= 1.25, tr
+
+
+def test_packed_compile_with_a_kl_term_and_a_longer_budget():
+    """The block carries the reference's log-probs with a KL term; a longer budget grows
+    the compiled figure and the planner follows it within 25%."""
+    from ba_jax import build
+
+    cfg = _tiny_packed(2048, kl_kind="k3", kl_beta=0.01)
+    mesh = build.make_mesh(cfg, jax.devices()[:8])
+    graphdef, tx, state, _ = plan_lib.abstract_train_inputs(cfg, mesh)
+    tr = plan_packed.compiled_train(cfg, mesh, graphdef, tx, state, plan_lib.train_rows(cfg),
+                                    plan_lib._memory)
+    planned = plan_lib.plan(cfg, 8)["bytes"]["train_peak"]
+    assert 0.75 <= planned / tr["peak_bytes"] <= 1.25, (planned, tr)
+    short = plan_lib.plan(_tiny_packed(1024, kl_kind="k3", kl_beta=0.01), 8)["bytes"]
+    assert short["block"] == 1024 * (plan_packed.BLOCK_BYTES + 4)  # ref_logp added
+    assert short["train_peak"] < planned
