@@ -229,3 +229,51 @@ def test_agreed_block_count_runs_empty_blocks(monkeypatch):
     packed = _run(cfg, 1, 48, batch, 1.0)
     _assert_same(padded, packed)
     assert packed[0]["train_microbatches"] == alone + 2
+
+
+@pytest.mark.parametrize("impl, platform, marker", [
+    ("splash", "tpu", "tpu_custom_call"),
+    # with rows over the mesh jax wraps the cuDNN call in its custom partitioner (expanded
+    # by XLA on the GPU); tests/test_segments.py checks the packed layout in the call itself
+    ("cudnn", "cuda", "@CustomSPMDPartitioning("),
+])
+def test_packed_block_gradient_lowers_for_accelerators(impl, platform, marker):
+    """The real block program of the packed step (`acc_fn`: one block's gradient into the
+    accumulator), bf16 on 8 devices (data 4 x fsdp 2), lowers for TPU with splash's
+    SegmentIds and for GPU with cuDNN's packed layout; compiling it happens only on the
+    hardware. Stubbed for cuda as in tests/test_segments.py: jax's cuDNN version and
+    compute-capability queries (this host has no GPU)."""
+    import contextlib
+    from unittest import mock
+
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+    from ba_jax import compat
+
+    stubs = contextlib.ExitStack()
+    if platform == "cuda":
+        stubs.enter_context(mock.patch.object(cudnn_fa, "check_cudnn_version",
+                                              return_value=90800))
+        stubs.enter_context(mock.patch.object(cudnn_fa, "check_compute_capability",
+                                              return_value=True))
+        stubs.enter_context(compat.host_lowers_as_gpu())
+    with stubs:  # make_packed traces the model (eval_shape) too
+        cfg = _config(8, **{"model.attention": impl, "model.dtype": "bfloat16",
+                            "model.head_dim": 128})
+        mesh = build.make_mesh(cfg)
+        graphdef, params = build.init_policy(cfg, mesh)
+        tx = optax.sgd(0.1)
+        state = train.init_state(params, tx, mesh)
+        upd = updater.make_updater(
+            build.loss_settings(cfg), graphdef, tx, state, mesh, prompts_per_step=4,
+            sample_shards=1, num_samples=4, num_minibatches=1, num_updates=1,
+            recompute_old_logp=False, compute_dtype=jnp.bfloat16, max_tokens_per_device=256)
+        pk = upd.packed
+        row = lambda dt: jax.ShapeDtypeStruct((8, 256), dt, sharding=upd.row_sharding)  # noqa: E731
+        blk = {k: row(jnp.int32) for k in ("tokens", "segment_ids", "positions", "targets")}
+        blk.update(scored=row(bool), **{k: row(jnp.float32) for k in ("mask", "old_logp", "w",
+                                                                      "adv")})
+        acc = jax.eval_shape(pk.zeros_fn, state["params"])
+        text = pk.acc_fn.trace(state["params"], acc, blk).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert marker in text
