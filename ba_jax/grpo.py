@@ -306,6 +306,20 @@ def grpo_loss(
     return loss, metrics
 
 
+def settings_loss(loss: LossSettings, logp_BT, ent_BT, old_logp_BT, adv, w_BT, mask_BT, *,
+                  ref_logp_BT=None, pg_factor_BT=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`grpo_loss` under the run's `LossSettings`, plus `entropy` (mask-weighted sum of
+    `ent_BT`): the one loss of the padded step and the packed one (advantages per row or
+    per token)."""
+    total, m = grpo_loss(
+        logp_BT, old_logp_BT, adv, w_BT, mask_BT, eps_low=loss.eps_low,
+        eps_high=loss.eps_high, dual_clip=loss.dual_clip,
+        ref_logp_BT=ref_logp_BT if loss.kl_kind else None, kl_kind=loss.kl_kind,
+        kl_beta=loss.kl_beta, pg_factor_BT=pg_factor_BT)
+    m["entropy"] = jnp.sum(mask_BT * ent_BT)
+    return total, m
+
+
 def _accumulator(x: jax.Array) -> jax.Array:
     # Sum floating leaves in float32 so bf16 grads do not lose precision over k steps.
     dtype = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype

@@ -76,13 +76,9 @@ def packed_logprobs(graphdef, params, blk: dict, *, with_entropy: bool = False):
 def packed_loss(params, blk, *, graphdef, loss: grpo.LossSettings):
     """The GRPO loss of one block (`grpo.grpo_loss` with per-token advantages)."""
     logp, ent = packed_logprobs(graphdef, params, blk, with_entropy=True)
-    total, m = grpo.grpo_loss(
-        logp, blk["old_logp"], blk["adv"], blk["w"], blk["mask"],
-        eps_low=loss.eps_low, eps_high=loss.eps_high, dual_clip=loss.dual_clip,
-        ref_logp_BT=blk.get("ref_logp") if loss.kl_kind else None,
-        kl_kind=loss.kl_kind, kl_beta=loss.kl_beta, pg_factor_BT=blk.get("pg_factor"))
-    m["entropy"] = jnp.sum(blk["mask"] * ent)
-    return total, m
+    return grpo.settings_loss(loss, logp, ent, blk["old_logp"], blk["adv"], blk["w"],
+                              blk["mask"], ref_logp_BT=blk.get("ref_logp"),
+                              pg_factor_BT=blk.get("pg_factor"))
 
 
 def accumulate(params, acc, blk, *, graphdef, loss):

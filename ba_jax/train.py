@@ -275,7 +275,14 @@ def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
             # previous checkpoint and rewrites this step, so no step is ever missing.
             if config_changes:  # the resume's accepted changes, once, on its first step
                 record["config_changes"], config_changes = config_changes, ""
-            writer.write(it, record)
+            try:
+                writer.write(it, record)
+            except OSError:
+                # a save issued before this line may still be in flight on the same full
+                # disk: its failure came first, so it is the one the run reports
+                with _save_errors(ckpt, it):
+                    ckpt.wait()
+                raise
             last_save_s = 0.0
             save = functools.partial(_save, ckpt, it, state, iterator, cfg, fingerprint, writer)
             saved = it % cfg.checkpoint.every_steps == 0 or it == cfg.num_train_steps

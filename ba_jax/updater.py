@@ -42,13 +42,9 @@ from ba_jax import (
 
 def _loss_fn(params, mb, *, graphdef, loss: grpo.LossSettings):
     logp_BR, ent_BR = grpo.policy_logprobs(graphdef, params, mb, with_entropy=True)
-    total, m = grpo.grpo_loss(
-        logp_BR, mb["old_logp_BR"], mb["adv_B"], mb["w_BR"], mb["mask_BR"],
-        eps_low=loss.eps_low, eps_high=loss.eps_high, dual_clip=loss.dual_clip,
-        ref_logp_BT=mb.get("ref_logp_BR") if loss.kl_kind else None,
-        kl_kind=loss.kl_kind, kl_beta=loss.kl_beta, pg_factor_BT=mb.get("pg_factor_BR"))
-    m["entropy"] = jnp.sum(mb["mask_BR"] * ent_BR)
-    return total, m
+    return grpo.settings_loss(loss, logp_BR, ent_BR, mb["old_logp_BR"], mb["adv_B"],
+                              mb["w_BR"], mb["mask_BR"], ref_logp_BT=mb.get("ref_logp_BR"),
+                              pg_factor_BT=mb.get("pg_factor_BR"))
 
 
 def weigh(batch, *, loss: grpo.LossSettings, num_groups: int) -> dict:

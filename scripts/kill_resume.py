@@ -9,6 +9,7 @@ metrics (timing fields excepted) for every step, and every checkpoint left must 
 
     .venv/bin/python scripts/kill_resume.py --trials 10 --steps 6
     .venv/bin/python scripts/kill_resume.py --signal TERM --trials 8 --steps 12 --every_steps 4
+    .venv/bin/python scripts/kill_resume.py --set grpo.max_tokens_per_device=80   # packed
 
 `--signal TERM` (or INT) checks the preemption path instead: each launch is stopped by the
 signal at a random moment in the loop (or during a save; every fourth twice) and must stop
@@ -32,10 +33,15 @@ TIMING = ("step_time_s", "update_time_s", "checkpoint_time_s", "sample_time_s", 
           "sampling_time_share", "tokens_per_s", "weight_sync_time_s")
 
 
+# `--set KEY=VALUE` overrides, given to every launch (both runs: the uninterrupted one too)
+OVERRIDES: list[str] = []
+
+
 def command(workdir: str, steps: int, every_steps: int = 1) -> list[str]:
     return [sys.executable, "-m", "ba_jax.main", "--config=configs/default.py:debug",
             f"--workdir={workdir}", f"--config.num_train_steps={steps}",
-            f"--config.checkpoint.every_steps={every_steps}", "--config.checkpoint.max_to_keep=2"]
+            f"--config.checkpoint.every_steps={every_steps}", "--config.checkpoint.max_to_keep=2",
+            *(f"--config.{kv}" for kv in OVERRIDES)]
 
 
 def env(cache_dir: str) -> dict:
@@ -223,7 +229,11 @@ def main() -> None:
                     help="KILL: kill -9 anywhere; TERM/INT: the preemption path (stop after "
                          "the step in flight, checked: exit status, stop line, checkpoint)")
     ap.add_argument("--every_steps", type=int, default=1, help="checkpoint interval")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every launch, e.g. "
+                         "grpo.max_tokens_per_device=80 (the packed step)")
     args = ap.parse_args()
+    OVERRIDES.extend(args.set)
     root = tempfile.mkdtemp(prefix="ba_jax_kill_")
     cache = os.path.join(root, "jax_cache")
     ref, killed = os.path.join(root, "ref"), os.path.join(root, "killed")

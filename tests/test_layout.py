@@ -93,8 +93,9 @@ def test_files_by_concern():
 
 
 def test_rollout_engine_is_read_by_one_builder():
-    """`rollout.engine` (the config value) is read in build.py (the builder) and
-    run_config.py (its validation) only: everything else holds a RolloutEngine."""
+    """`rollout.engine` (the config value) is read in build.py (the builder) and the
+    config checks (run_config.py, update_config.py: which engine gives pi_old) only:
+    everything else holds a RolloutEngine."""
     readers = set()
     for name, path in _modules().items():
         src = open(path).read()
@@ -107,4 +108,4 @@ def test_rollout_engine_is_read_by_one_builder():
                 if isinstance(n, ast.Attribute) and n.attr == "engine" and isinstance(
                         n.value, ast.Name) and n.value.id == "r":
                     readers.add(name)
-    assert readers <= {"ba_jax.build", "ba_jax.run_config"}, readers
+    assert readers <= {"ba_jax.build", "ba_jax.run_config", "ba_jax.update_config"}, readers
