@@ -21,7 +21,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -34,13 +33,3 @@ def pytest_terminal_summary(terminalreporter):
     if n:
         terminalreporter.write_line(f"{n} tests skipped: torch is not installed (Hugging Face "
                                     "parity and transformers-written folders)")
-
-
-@pytest.fixture(scope="session")
-def killed_runs_cache(tmp_path_factory):
-    """One persistent compilation cache for the tests whose training runs are killed or
-    signalled (scripts/kill_resume.py): they all run the debug config, so the second such
-    test on a worker compiles nothing. Kept apart from the suite's cache: jax writes an
-    entry in place, and a process killed mid-write leaves a truncated one, which every later
-    reader would warn about."""
-    return str(tmp_path_factory.mktemp("killed_runs_jax_cache"))

@@ -105,13 +105,12 @@ def test_a_signal_during_start_up_stops_before_the_first_step(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_sigterm_at_random_moments_resumes_identically(tmp_path, uninterrupted,
-                                                      killed_runs_cache):
+def test_sigterm_at_random_moments_resumes_identically(tmp_path, uninterrupted):
     """The real process: SIGTERM at random moments of the loop (and during saves; twice in
     one launch), checked by `kill_resume.signalled_run` (exit 143, the stop line, a
     committed checkpoint at the stop step, no more than the step in flight done after the
     signal), then resumed to the end: identical to the uninterrupted run."""
-    cache = killed_runs_cache
+    cache = str(tmp_path / "jax_cache")
     ref, wd = str(tmp_path / "ref"), str(tmp_path / "run")
     steps = 24
     kill_resume.run_to_end(ref, steps, cache, every_steps=4)
@@ -122,9 +121,9 @@ def test_sigterm_at_random_moments_resumes_identically(tmp_path, uninterrupted,
 
 
 @pytest.mark.slow
-def test_sigint_is_a_stop_too(tmp_path, killed_runs_cache):
+def test_sigint_is_a_stop_too(tmp_path):
     """Ctrl-C: one line and status 130, not a KeyboardInterrupt traceback."""
-    cache = killed_runs_cache
+    cache = str(tmp_path / "jax_cache")
     log = kill_resume.signalled_run(str(tmp_path / "run"), 24, cache, trials=1,
                                     rng=random.Random(1), signum=signal.SIGINT, every_steps=4)
     assert "stopped after step" in log[0], log

@@ -837,8 +837,8 @@ def test_docs_hold_the_data_columns_and_the_default_runs_figures(tmp_path, char_
 
 
 @pytest.mark.slow
-def test_kill_anywhere_and_resume_equals_uninterrupted(tmp_path, killed_runs_cache):
-    cache = killed_runs_cache
+def test_kill_anywhere_and_resume_equals_uninterrupted(tmp_path):
+    cache = str(tmp_path / "jax_cache")
     ref, killed = str(tmp_path / "ref"), str(tmp_path / "killed")
     kill_resume.run_to_end(ref, 5, cache)
     log = kill_resume.killed_run(killed, 5, cache, trials=10, max_delay_s=6.0, rng=random.Random(0))
