@@ -81,13 +81,6 @@ def packed_loss(params, blk, *, graphdef, loss: grpo.LossSettings):
                               pg_factor_BT=blk.get("pg_factor"))
 
 
-def accumulate(params, acc, blk, *, graphdef, loss):
-    """acc + (loss, metrics, gradient) of one block, in float32."""
-    out = jax.value_and_grad(functools.partial(packed_loss, graphdef=graphdef, loss=loss),
-                             has_aux=True)(params, blk)
-    return jax.tree.map(lambda c, x: c + x.astype(c.dtype), acc, out)
-
-
 @dataclasses.dataclass
 class PackedFns:
     """The jitted pieces of a packed update, each compiled once per run."""
@@ -120,7 +113,6 @@ def make_packed(loss: grpo.LossSettings, graphdef, state, mesh, *, budget: int,
                 return fn(*args)
         return run
 
-    acc = functools.partial(accumulate, graphdef=graphdef, loss=loss)
     rows_S = jax.ShapeDtypeStruct((1, budget), jnp.int32)
     blk_shape = dict(tokens=rows_S, segment_ids=rows_S, positions=rows_S, targets=rows_S,
                      scored=jax.ShapeDtypeStruct((1, budget), bool),
@@ -134,6 +126,9 @@ def make_packed(loss: grpo.LossSettings, graphdef, state, mesh, *, budget: int,
                                  has_aux=True)
     acc_shape = jax.eval_shape(grad_fn, state["params"], blk_shape)
     acc_sh = ((rep, jax.tree.map(lambda _: rep, acc_shape[0][1])), params_sh)
+
+    def acc(params, acc, blk):  # acc + (loss, metrics, gradient) of one block, in float32
+        return jax.tree.map(lambda c, x: c + x.astype(c.dtype), acc, grad_fn(params, blk))
 
     def zeros(params):
         del params

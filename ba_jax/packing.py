@@ -104,7 +104,7 @@ def check_fits(lengths_B: np.ndarray, budget: int) -> None:
 
 
 def plan(lengths_B: np.ndarray, num_devices: int, budget: int, *, attn_cost: float = 0.0,
-         strategy: str = "balanced", min_blocks: int = 1) -> Plan:
+         strategy: str = "balanced") -> Plan:
     """Assign sequences of `lengths_B` tokens (0: left out) to the fewest micro-batches of
     `num_devices` rows of `budget` tokens, at most `max_segments(budget)` per row.
 
@@ -122,7 +122,7 @@ def plan(lengths_B: np.ndarray, num_devices: int, budget: int, *, attn_cost: flo
     cost = L + attn_cost * L.astype(np.float64) ** 2
     order = np.lexsort((np.arange(len(L)), -cost))  # longest first, ties by row
     order = order[L[order] > 0]
-    n = max(int(min_blocks), -(-int(L.sum()) // (num_devices * budget)), 1)
+    n = max(-(-int(L.sum()) // (num_devices * budget)), 1)
     tries = ("balanced", "ffd") if strategy == "balanced" else ("ffd",)
     while True:
         for how in tries:

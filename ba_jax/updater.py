@@ -239,6 +239,7 @@ class _Packing:
     idx: list  # per block: packing.block_indices' arrays, row-sharded
     num_blocks: int
     loads_KD: np.ndarray  # this process's loads
+    real_tokens: int  # this process's sequences' input tokens
 
 
 def _pack(upd: Updater, mb: dict[str, np.ndarray]) -> _Packing:
@@ -255,7 +256,7 @@ def _pack(upd: Updater, mb: dict[str, np.ndarray]) -> _Packing:
                                 row_offset=jax.process_index() * len(p_B))
     dev = [distributed.put_local_rows({k: v[j] for k, v in idx.items()}, upd.row_sharding)
            for j in range(pl.num_blocks)]
-    return _Packing(dev, pl.num_blocks, pl.load_KD)
+    return _Packing(dev, pl.num_blocks, pl.load_KD, int(pl.tokens_KD.sum()))
 
 
 def _packed_forward(pk, fn, params, mb: dict, pkg: _Packing):
@@ -275,12 +276,13 @@ def _token_metrics(upd: Updater, mbs: list[dict[str, np.ndarray]], packs: list |
     real = slots = 0
     loads = []
     for j, mb in enumerate(mbs):
-        p_B, r_B = packing.sequence_lengths(mb["prompt_mask_BT"], mb["mask_BR"])
-        real += int(packing.packed_lengths(p_B, r_B).sum())
         if packs is None:
+            p_B, r_B = packing.sequence_lengths(mb["prompt_mask_BT"], mb["mask_BR"])
+            real += int(packing.packed_lengths(p_B, r_B).sum())
             slots += mb["tokens_BR"].shape[0] * (
                 mb["prompt_tokens_BT"].shape[1] + mb["tokens_BR"].shape[1] - 1)
-        else:
+        else:  # the packer's own count
+            real += packs[j].real_tokens
             slots += packs[j].num_blocks * packs[j].loads_KD.shape[1] * upd.packed.budget
             loads.append(packs[j].loads_KD.T)  # [local devices, blocks]
     g = distributed.gather_rows(dict(real=np.array([real]), slots=np.array([slots])))
