@@ -11,7 +11,9 @@ between processes on the step to stop at (`distributed.any_process`, called by t
 or saving (train.py).
 
 Exit status of a stopped run: 143 for SIGTERM, 130 for SIGINT (128 + the signal's number,
-what a shell reports for a process killed by it, so schedulers that requeue on 143 do).
+what a shell reports for a process killed by it, so schedulers that requeue on 143 do). A
+signal that comes after the last step's check stops nothing: the run completes, says so in
+one line and exits 0.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)
         if self.signum is not None:
-            _say(f"ba_jax: {name} again: stopping now; the next start resumes from the newest "
+            say(f"ba_jax: {name} again: stopping now; the next start resumes from the newest "
                  "committed checkpoint")
             os._exit(128 + signum)
         self.signum = signum
-        _say(f"ba_jax: {name}: finishing the step in flight, then saving a checkpoint and "
+        say(f"ba_jax: {name}: finishing the step in flight, then saving a checkpoint and "
              f"stopping (another {name} stops at once)")
 
     @property
@@ -77,8 +79,8 @@ class StopRequest:
         return self.signum is not None
 
 
-def _say(line: str) -> None:
-    """One line to stderr from a signal handler (unbuffered: no lock a handler could hold)."""
+def say(line: str) -> None:
+    """One line to stderr, unbuffered (no lock a signal handler could hold)."""
     try:
         os.write(sys.stderr.fileno(), (line + "\n").encode())
     except (OSError, ValueError):

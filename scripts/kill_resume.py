@@ -13,7 +13,8 @@ metrics (timing fields excepted) for every step, and every checkpoint left must 
 
 `--signal TERM` (or INT) checks the preemption path instead: each launch is stopped by the
 signal at a random moment in the loop (or during a save; every fourth twice) and must stop
-after the step in flight with a committed checkpoint there (`signalled_run`).
+after the step in flight with a committed checkpoint there (`signalled_run`); a signal that
+lands after the last step's check must leave the run complete, saying so.
 """
 
 from __future__ import annotations
@@ -153,9 +154,13 @@ def signalled_run(workdir: str, steps: int, cache_dir: str, trials: int, rng: ra
             proc.send_signal(signum)
         err = proc.communicate(timeout=300)[1].decode(errors="replace")
         lines = [line for line in err.replace("\r", "\n").split("\n") if line.strip()]
-        if proc.returncode == -signum and _lines(workdir) == steps and _committed_steps(
-                workdir)[-1] == steps:  # the run had ended: the signal came during its plots
-            log.append(f"trial {trial}: signalled after the run ended")
+        name = signal.Signals(signum).name
+        if in_flight >= steps and _lines(workdir) == steps and _committed_steps(
+                workdir)[-1:] == [steps] and (
+                proc.returncode == -signum  # during the plots, once training had returned
+                or (proc.returncode == 0 and lines and lines[-1].startswith(
+                    f"ba_jax: {name} came after the last step ({steps})"))):
+            log.append(f"trial {trial}: signalled as the run ended (rc {proc.returncode})")
             break
         assert proc.returncode == 128 + signum, (trial, proc.returncode, err[-3000:])
         assert "Traceback" not in err, err[-3000:]
@@ -163,7 +168,7 @@ def signalled_run(workdir: str, steps: int, cache_dir: str, trials: int, rng: ra
             log.append(f"trial {trial}: signalled twice {where}: stopped at once")
             continue
         done = _lines(workdir)
-        stop_line = f"ba_jax: stopped by {signal.Signals(signum).name} after step {done}: "
+        stop_line = f"ba_jax: stopped by {name} after step {done}: "
         assert lines[-1].startswith(stop_line), (stop_line, lines[-3:])
         assert _committed_steps(workdir)[-1] == done, (done, _committed_steps(workdir))
         assert done <= in_flight, f"stopped after step {done}, the signal came in {in_flight}"

@@ -89,6 +89,28 @@ def test_a_signal_mid_step_stops_after_that_step(tmp_path, monkeypatch, uninterr
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_signal_after_the_last_steps_check_leaves_the_run_complete(tmp_path, monkeypatch,
+                                                                      capfd, uninterrupted):
+    """A signal that lands once the loop has passed its last stop check (here while the
+    metrics writer closes) has nothing left to stop: the run completes, its last step
+    committed, says so in one line, and returns normally (exit status 0)."""
+    from ba_jax import metrics as metrics_lib
+
+    wd, steps = str(tmp_path), OVER["num_train_steps"]
+    real = metrics_lib.MetricsWriter.close
+
+    def close(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(metrics_lib.MetricsWriter, "close", close)
+    assert train.run_training(debug_config(**OVER), wd).startswith(f"finished {steps} steps")
+    err = capfd.readouterr().err
+    assert f"ba_jax: SIGTERM came after the last step ({steps}): the run is complete" in err
+    assert params_of(wd)[0] == steps
+    assert _strip(read_metrics(wd)) == _strip(read_metrics(uninterrupted))
+
+
 def test_a_signal_during_start_up_stops_before_the_first_step(tmp_path, monkeypatch):
     from ba_jax import build
 
