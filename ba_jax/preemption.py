@@ -13,7 +13,7 @@ or saving (train.py).
 Exit status of a stopped run: 143 for SIGTERM, 130 for SIGINT (128 + the signal's number,
 what a shell reports for a process killed by it, so schedulers that requeue on 143 do). A
 signal that comes after the last step's check stops nothing: the run completes, says so in
-one line and exits 0.
+one line when the block ends, and exits 0 (after that, the default handlers are back).
 """
 
 from __future__ import annotations
@@ -59,10 +59,16 @@ class StopRequest:
                 self._old[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for s, handler in self._old.items():
             signal.signal(s, handler)
         self._old.clear()
+        # The block ended normally with a signal taken: it came after the last step's check
+        # (also while the loop's locals were being freed), so there was nothing to stop.
+        # Checked once the handlers are back: no signal can fall between check and restore.
+        if exc_type is None and self.signum is not None:
+            say(f"ba_jax: {signal_name(self.signum)} came after the last step: the run is "
+                "complete")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)

@@ -306,7 +306,4 @@ def _run(cfg, workdir: str, devices: list, stop: preemption.StopRequest) -> str:
         ckpt.close(quiet=not finished)
         if engine is not None:
             engine.close()
-    if stop.requested:  # the signal came after the last step's check: nothing to stop
-        preemption.say(f"ba_jax: {preemption.signal_name(stop.signum)} came after the last "
-                       f"step ({cfg.num_train_steps}): the run is complete")
     return f"finished {cfg.num_train_steps} steps: {summary}"

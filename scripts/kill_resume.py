@@ -90,6 +90,8 @@ def killed_run(workdir: str, steps: int, cache_dir: str, trials: int, max_delay_
             if proc.returncode != 0:
                 raise RuntimeError(f"trial {trial}: run failed (rc {proc.returncode}):\n{err}")
             log.append(f"trial {trial}: finished before the kill")
+            proc.stderr.close()
+            return log  # complete: another launch would only say so
         proc.stderr.close()
     run_to_end(workdir, steps, cache_dir)  # resume to completion
     log.append("resumed to completion")
@@ -113,17 +115,20 @@ def _committed_steps(workdir: str) -> list[int]:
 
 
 def signalled_run(workdir: str, steps: int, cache_dir: str, trials: int, rng: random.Random,
-                  signum: int = signal.SIGTERM, every_steps: int = 1,
+                  signum: int | tuple[int, ...] = signal.SIGTERM, every_steps: int = 1,
                   max_delay_s: float = 0.5) -> list[str]:
-    """Stop/restart by `signum` until the run completes: each launch gets the signal at a
-    random moment once it is past start-up (a metrics line of its own written), every third
-    one the moment a save is seen in progress, every fourth one twice (the second stops it at
-    once). After a single signal the run must exit with 128 + signum, its last stderr line
-    saying where it stopped, with a committed checkpoint at that step and exactly one
-    metrics line per step up to it: nothing is redone by the resume. Returns a log line per
-    launch; raises AssertionError on a broken promise."""
-    log = []
+    """Stop/restart by `signum` (a tuple: launch i gets signum[i % len]) until the run
+    completes: each launch gets the signal at a random moment once it is past start-up (a
+    metrics line of its own written), every third one the moment a save is seen in
+    progress, every fourth one twice (the second stops it at once). After a single signal
+    the run must exit with 128 + signal, its last stderr line saying where it stopped, with
+    a committed checkpoint at that step and exactly one metrics line per step up to it:
+    nothing is redone by the resume. A signal that lands once the last step is in flight or
+    done may instead leave the run complete, saying so (exit 0), or, during the plots, kill
+    it. Returns a log line per launch; raises AssertionError on a broken promise."""
+    log, signums = [], signum if isinstance(signum, tuple) else (signum,)
     for trial in range(trials):
+        sig = signums[trial % len(signums)]
         base = _lines(workdir)
         proc = subprocess.Popen(command(workdir, steps, every_steps), cwd=REPO,
                                 env=env(cache_dir), stdout=subprocess.DEVNULL,
@@ -145,34 +150,34 @@ def signalled_run(workdir: str, steps: int, cache_dir: str, trials: int, rng: ra
             proc.stderr.close()
             assert proc.returncode == 0, f"trial {trial}: rc {proc.returncode}:\n{err}"
             log.append(f"trial {trial}: finished before the signal")
-            break
+            return log
         where = "during a save" if during_save and saving(workdir) else "in the loop"
-        proc.send_signal(signum)
+        proc.send_signal(sig)
         in_flight = _lines(workdir) + 1  # at the latest: the step after the last line seen
         if twice:
             time.sleep(0.05)
-            proc.send_signal(signum)
+            proc.send_signal(sig)
         err = proc.communicate(timeout=300)[1].decode(errors="replace")
         lines = [line for line in err.replace("\r", "\n").split("\n") if line.strip()]
-        name = signal.Signals(signum).name
+        name = signal.Signals(sig).name
+        complete_line = f"ba_jax: {name} came after the last step: the run is complete"
         if in_flight >= steps and _lines(workdir) == steps and _committed_steps(
                 workdir)[-1:] == [steps] and (
-                proc.returncode == -signum  # during the plots, once training had returned
-                or (proc.returncode == 0 and lines and lines[-1].startswith(
-                    f"ba_jax: {name} came after the last step ({steps})"))):
+                proc.returncode == -sig  # during the plots, once training had returned
+                or (proc.returncode == 0 and complete_line in lines)):
             log.append(f"trial {trial}: signalled as the run ended (rc {proc.returncode})")
-            break
-        assert proc.returncode == 128 + signum, (trial, proc.returncode, err[-3000:])
+            return log
+        assert proc.returncode == 128 + sig, (trial, proc.returncode, err[-3000:])
         assert "Traceback" not in err, err[-3000:]
         if twice:
-            log.append(f"trial {trial}: signalled twice {where}: stopped at once")
+            log.append(f"trial {trial}: {name} twice {where}: stopped at once")
             continue
         done = _lines(workdir)
         stop_line = f"ba_jax: stopped by {name} after step {done}: "
         assert lines[-1].startswith(stop_line), (stop_line, lines[-3:])
         assert _committed_steps(workdir)[-1] == done, (done, _committed_steps(workdir))
         assert done <= in_flight, f"stopped after step {done}, the signal came in {in_flight}"
-        log.append(f"trial {trial}: signalled {where}: stopped after step {done} "
+        log.append(f"trial {trial}: {name} {where}: stopped after step {done} "
                    f"(launch started at {base})")
     run_to_end(workdir, steps, cache_dir, every_steps)
     log.append("resumed to completion")
@@ -230,9 +235,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max_delay_s", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--signal", choices=("KILL", "TERM", "INT"), default="KILL",
+    ap.add_argument("--signal", choices=("KILL", "TERM", "INT", "TERM,INT"), default="KILL",
                     help="KILL: kill -9 anywhere; TERM/INT: the preemption path (stop after "
-                         "the step in flight, checked: exit status, stop line, checkpoint)")
+                         "the step in flight, checked: exit status, stop line, checkpoint); "
+                         "TERM,INT: the two in turn")
     ap.add_argument("--every_steps", type=int, default=1, help="checkpoint interval")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every launch, e.g. "
@@ -248,7 +254,8 @@ def main() -> None:
                          random.Random(args.seed))
     else:
         log = signalled_run(killed, args.steps, cache, args.trials, random.Random(args.seed),
-                            getattr(signal, f"SIG{args.signal}"), args.every_steps,
+                            tuple(getattr(signal, f"SIG{n}") for n in args.signal.split(",")),
+                            args.every_steps,
                             min(args.max_delay_s, 0.5))
     for line in log:
         print(line)

@@ -154,8 +154,24 @@ def test_well_formed_but_different_arrays_are_refused(tmp_path):
     ck.close()
 
 
+FLIP = {"checkpoint.every_steps": 1, "checkpoint.max_to_keep": 3}
+
+
+@pytest.fixture(scope="module")
+def two_and_three_steps(tmp_path_factory):
+    """A run stopped after step 2 (copied by each case, then damaged) and the same run
+    resumed to step 3 (the reference)."""
+    root = tmp_path_factory.mktemp("flip")
+    two, three = str(root / "two"), str(root / "three")
+    train.run_training(debug_config(**FLIP, num_train_steps=2), two)
+    shutil.copytree(two, three)
+    train.run_training(debug_config(**FLIP, num_train_steps=3), three)
+    return two, three
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_flipped_bytes_in_the_latest_checkpoint_never_reach_a_save(tmp_path, seed):
+def test_flipped_bytes_in_the_latest_checkpoint_never_reach_a_save(tmp_path, seed,
+                                                                    two_and_three_steps):
     """64 flipped bytes in the newest checkpoint's largest data file: the resume refuses it
     by name (TensorStore's decompression or the checksums catch it), and with
     fallback_to_previous resumes from the step before. Orbax's file layout varies from save
@@ -163,11 +179,9 @@ def test_flipped_bytes_in_the_latest_checkpoint_never_reach_a_save(tmp_path, see
     where a restore never reads: then the state restores bit-identical. Either way the run
     ends with the parameters and metrics of an uninterrupted run, and every checkpoint left
     restores checked."""
-    over = {"checkpoint.every_steps": 1, "checkpoint.max_to_keep": 3}
-    ref, wd = str(tmp_path / "ref"), str(tmp_path / "run")
-    train.run_training(debug_config(**over, num_train_steps=2), ref)
-    shutil.copytree(ref, wd)
-    train.run_training(debug_config(**over, num_train_steps=3), ref)
+    two, ref = two_and_three_steps
+    wd = str(tmp_path / "run")
+    shutil.copytree(two, wd)
     data_file = max(glob.glob(os.path.join(wd, "checkpoints", "2", "state", "**", "d", "*"),
                               recursive=True), key=os.path.getsize)
     raw = bytearray(open(data_file, "rb").read())
@@ -175,12 +189,12 @@ def test_flipped_bytes_in_the_latest_checkpoint_never_reach_a_save(tmp_path, see
         raw[i] ^= 0xFF
     open(data_file, "wb").write(bytes(raw))
     try:
-        train.run_training(debug_config(**over, num_train_steps=3), wd)
+        train.run_training(debug_config(**FLIP, num_train_steps=3), wd)
         refused = False
     except checkpoint.CheckpointError as e:
         assert re.search(r"checkpoints/2 (is damaged|cannot be restored)", str(e)), e
         refused = True
-        train.run_training(debug_config(**over, num_train_steps=3,
+        train.run_training(debug_config(**FLIP, num_train_steps=3,
                                         **{"checkpoint.fallback_to_previous": True}), wd)
         assert os.listdir(os.path.join(wd, "checkpoints_unreadable")) == ["2"]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731

@@ -5,8 +5,9 @@ does not: equal results also show packing exact across processes.
 
 Each process runs `python -m ba_jax.main` with the BA_JAX_COORDINATOR environment, samples
 its own sampling shards on its own devices, and joins the global update; checkpoints are
-written by both. Two steps, then a restart for a third (a checkpoint round trip), must
-give the parameters and metrics of an uninterrupted single-process run on 8 devices.
+written by both. A SIGTERM to one process stops both after the same step; the restart from
+that checkpoint (a round trip through it) must end with the parameters and metrics of an
+uninterrupted single-process run on 8 devices.
 """
 
 import os
@@ -78,43 +79,19 @@ LAYOUT = ("train_token_fraction", "train_microbatches", "pack_imbalance")
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_eight_devices(tmp_path):
+def test_two_processes_stop_together_and_equal_one_process_with_eight_devices(tmp_path):
     """Two processes x 4 devices, each packing its own rows into blocks on its own devices
-    (the block count agreed by both), equal one padded process with 8 devices: two steps,
-    a restart for a third (the checkpoint both wrote), then parameters and every metric but
-    the layout's and the timings."""
+    (the block count agreed by both). SIGTERM to process 1 alone once step 1 is written:
+    both stop after the same step (they agree through an all-gather after every step), both
+    exit 143 with the same stop line, that step's checkpoint (written by both) is
+    committed. Both then resume from it to the end, which must equal one padded process
+    with 8 devices: parameters and every metric but the layout's and the timings."""
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    _two_processes(multi, 2, PACKED)
-    _two_processes(multi, 3, PACKED)  # restart: restores the step-2 checkpoint written by both
-    train.train_and_evaluate(debug_config(num_train_steps=3, **OVERRIDES), single)
-    s_multi, p_multi, m_multi = params_of(multi)
-    s_single, p_single, m_single = params_of(single)
-    assert s_multi == s_single == 3
-    assert m_multi["data_iterator"] == m_single["data_iterator"]
-    for a, b in zip(p_multi, p_single):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING + LAYOUT}  # noqa: E731
-                          for r in rows]
-    rm, rs = strip(read_metrics(multi)), strip(read_metrics(single))
-    assert [r["step"] for r in rm] == [1, 2, 3]
-    assert all(r["train_microbatches"] >= 1 for r in read_metrics(multi))
-    for a, b in zip(rm, rs):
-        assert a.keys() == b.keys()
-        for k in a:
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
-
-
-@pytest.mark.slow
-def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
-    """SIGTERM to process 1 alone: both processes stop after the same step (they agree
-    through an all-gather after every step), both exit 143 with the same stop line, the
-    checkpoint of that step is committed, and the run resumes from it to the end."""
-    wd = str(tmp_path / "multi")
-    steps = 40
-    procs = _launch(wd, steps)
+    steps = 8  # far more than the step in flight when the signal is taken
+    procs = _launch(multi, steps, PACKED)
     try:
         deadline = time.monotonic() + 600
-        while len(read_metrics(wd)) < 2:  # past start-up: in the loop
+        while len(read_metrics(multi)) < 1:  # past start-up: in the loop
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
             time.sleep(0.05)
         procs[1].send_signal(signal.SIGTERM)
@@ -128,7 +105,22 @@ def test_a_signal_to_one_process_stops_both_after_the_same_step(tmp_path):
     assert [p.returncode for p in procs] == [143, 143], [o[-3000:] for o in outs]
     assert stops[0] == stops[1] and len(stops[0]) == 1, stops
     done = int(stops[0][0])
-    assert done < steps and [r["step"] for r in read_metrics(wd)] == list(range(1, done + 1))
-    assert params_of(wd)[0] == done
-    _two_processes(wd, done + 1)  # both resume from the committed step
-    assert [r["step"] for r in read_metrics(wd)] == list(range(1, done + 2))
+    assert done < steps and [r["step"] for r in read_metrics(multi)] == list(range(1, done + 1))
+    assert params_of(multi)[0] == done
+    _two_processes(multi, steps, PACKED)  # both resume from the committed step
+    train.train_and_evaluate(debug_config(num_train_steps=steps, **OVERRIDES), single)
+    s_multi, p_multi, m_multi = params_of(multi)
+    s_single, p_single, m_single = params_of(single)
+    assert s_multi == s_single == steps
+    assert m_multi["data_iterator"] == m_single["data_iterator"]
+    for a, b in zip(p_multi, p_single):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING + LAYOUT}  # noqa: E731
+                          for r in rows]
+    rm, rs = strip(read_metrics(multi)), strip(read_metrics(single))
+    assert [r["step"] for r in rm] == list(range(1, steps + 1))
+    assert all(r["train_microbatches"] >= 1 for r in read_metrics(multi))
+    for a, b in zip(rm, rs):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)

@@ -106,7 +106,7 @@ def test_a_signal_after_the_last_steps_check_leaves_the_run_complete(tmp_path, m
     monkeypatch.setattr(metrics_lib.MetricsWriter, "close", close)
     assert train.run_training(debug_config(**OVER), wd).startswith(f"finished {steps} steps")
     err = capfd.readouterr().err
-    assert f"ba_jax: SIGTERM came after the last step ({steps}): the run is complete" in err
+    assert err.rstrip().endswith("ba_jax: SIGTERM came after the last step: the run is complete")
     assert params_of(wd)[0] == steps
     assert _strip(read_metrics(wd)) == _strip(read_metrics(uninterrupted))
 
@@ -127,25 +127,18 @@ def test_a_signal_during_start_up_stops_before_the_first_step(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_sigterm_at_random_moments_resumes_identically(tmp_path, uninterrupted):
-    """The real process: SIGTERM at random moments of the loop (and during saves; twice in
-    one launch), checked by `kill_resume.signalled_run` (exit 143, the stop line, a
-    committed checkpoint at the stop step, no more than the step in flight done after the
-    signal), then resumed to the end: identical to the uninterrupted run."""
+def test_sigterm_and_sigint_at_random_moments_resume_identically(tmp_path):
+    """The real process: SIGTERM and SIGINT (Ctrl-C) in turn at random moments of the loop
+    (and during a save; twice in one launch), checked by `kill_resume.signalled_run` (exit
+    143 or 130, the one stop line and no traceback, a committed checkpoint at the stop step,
+    no more than the step in flight done after the signal), then resumed to the end:
+    identical to the uninterrupted run."""
     cache = str(tmp_path / "jax_cache")
     ref, wd = str(tmp_path / "ref"), str(tmp_path / "run")
     steps = 24
     kill_resume.run_to_end(ref, steps, cache, every_steps=4)
-    log = kill_resume.signalled_run(wd, steps, cache, trials=5, rng=random.Random(0),
-                                    every_steps=4)
-    assert sum("stopped after step" in line for line in log) >= 2, log
+    log = kill_resume.signalled_run(wd, steps, cache, trials=4, rng=random.Random(0),
+                                    signum=(signal.SIGTERM, signal.SIGINT), every_steps=4)
+    assert any("SIGTERM in the loop: stopped after step" in line for line in log), log
+    assert any("SIGINT in the loop: stopped after step" in line for line in log), log
     assert kill_resume.compare(ref, wd) == []
-
-
-@pytest.mark.slow
-def test_sigint_is_a_stop_too(tmp_path):
-    """Ctrl-C: one line and status 130, not a KeyboardInterrupt traceback."""
-    cache = str(tmp_path / "jax_cache")
-    log = kill_resume.signalled_run(str(tmp_path / "run"), 24, cache, trials=1,
-                                    rng=random.Random(1), signum=signal.SIGINT, every_steps=4)
-    assert "stopped after step" in log[0], log
