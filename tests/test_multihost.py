@@ -12,11 +12,9 @@ uninterrupted single-process run on 8 devices.
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -37,7 +35,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(workdir: str, steps: int, extra: dict | None = None) -> list[subprocess.Popen]:
+# Runs ba_jax.main with a SIGTERM to this process from inside step 2's sampling (the
+# moment is exact, not a race with a watching test); a real signal, taken by the real handler.
+_SIGTERM_IN_STEP_2 = """
+import os, runpy, signal, sys
+from ba_jax import experience
+real, calls = experience.collect, []
+def collect(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+experience.collect = collect
+sys.argv = ["ba_jax.main"] + sys.argv[1:]
+runpy.run_module("ba_jax.main", run_name="__main__")
+"""
+
+
+def _launch(workdir: str, steps: int, extra: dict | None = None,
+            head_of_1: tuple[str, ...] = ("-m", "ba_jax.main")) -> list[subprocess.Popen]:
+    """Two processes of one run; `head_of_1`: how process 1 starts ba_jax.main."""
     port = _free_port()
     args = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **(extra or {})}.items()]
     procs = []
@@ -46,8 +63,9 @@ def _launch(workdir: str, steps: int, extra: dict | None = None) -> list[subproc
                    XLA_FLAGS="--xla_force_host_platform_device_count=4",
                    BA_JAX_COORDINATOR=f"127.0.0.1:{port}", BA_JAX_NUM_PROCESSES="2",
                    BA_JAX_PROCESS_ID=str(pid))
+        head = head_of_1 if pid == 1 else ("-m", "ba_jax.main")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "ba_jax.main", "--config=configs/default.py:debug",
+            [sys.executable, *head, "--config=configs/default.py:debug",
              f"--workdir={workdir}", f"--config.num_train_steps={steps}", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return procs
@@ -81,31 +99,21 @@ LAYOUT = ("train_token_fraction", "train_microbatches", "pack_imbalance")
 @pytest.mark.slow
 def test_two_processes_stop_together_and_equal_one_process_with_eight_devices(tmp_path):
     """Two processes x 4 devices, each packing its own rows into blocks on its own devices
-    (the block count agreed by both). SIGTERM to process 1 alone once step 1 is written:
-    both stop after the same step (they agree through an all-gather after every step), both
-    exit 143 with the same stop line, that step's checkpoint (written by both) is
-    committed. Both then resume from it to the end, which must equal one padded process
-    with 8 devices: parameters and every metric but the layout's and the timings."""
+    (the block count agreed by both). SIGTERM to process 1 alone, during step 2: both stop
+    after step 2 (they agree through an all-gather after every step), both exit 143 with the
+    same stop line, that step's checkpoint (written by both) is committed. Both then resume
+    from it to the end, which must equal one padded process with 8 devices: parameters and
+    every metric but the layout's and the timings."""
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    steps = 8  # far more than the step in flight when the signal is taken
-    procs = _launch(multi, steps, PACKED)
-    try:
-        deadline = time.monotonic() + 600
-        while len(read_metrics(multi)) < 1:  # past start-up: in the loop
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.05)
-        procs[1].send_signal(signal.SIGTERM)
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
+    steps = 4
+    procs = _launch(multi, steps, PACKED, head_of_1=("-c", _SIGTERM_IN_STEP_2))
     outs = _wait(procs)
     stops = [re.findall(r"ba_jax: stopped by SIGTERM after step (\d+): checkpoint", out)
              for out in outs]
     assert [p.returncode for p in procs] == [143, 143], [o[-3000:] for o in outs]
     assert stops[0] == stops[1] and len(stops[0]) == 1, stops
     done = int(stops[0][0])
-    assert done < steps and [r["step"] for r in read_metrics(multi)] == list(range(1, done + 1))
+    assert done == 2 and [r["step"] for r in read_metrics(multi)] == [1, 2]
     assert params_of(multi)[0] == done
     _two_processes(multi, steps, PACKED)  # both resume from the committed step
     train.train_and_evaluate(debug_config(num_train_steps=steps, **OVERRIDES), single)
