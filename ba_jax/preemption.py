@@ -67,17 +67,17 @@ class StopRequest:
         # (also while the loop's locals were being freed), so there was nothing to stop.
         # Checked once the handlers are back: no signal can fall between check and restore.
         if exc_type is None and self.signum is not None:
-            say(f"ba_jax: {signal_name(self.signum)} came after the last step: the run is "
-                "complete")
+            _say(f"ba_jax: {signal_name(self.signum)} came after the last step: the run is "
+                 "complete")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)
         if self.signum is not None:
-            say(f"ba_jax: {name} again: stopping now; the next start resumes from the newest "
+            _say(f"ba_jax: {name} again: stopping now; the next start resumes from the newest "
                  "committed checkpoint")
             os._exit(128 + signum)
         self.signum = signum
-        say(f"ba_jax: {name}: finishing the step in flight, then saving a checkpoint and "
+        _say(f"ba_jax: {name}: finishing the step in flight, then saving a checkpoint and "
              f"stopping (another {name} stops at once)")
 
     @property
@@ -85,8 +85,8 @@ class StopRequest:
         return self.signum is not None
 
 
-def say(line: str) -> None:
-    """One line to stderr, unbuffered (no lock a signal handler could hold)."""
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler (unbuffered: no lock a handler could hold)."""
     try:
         os.write(sys.stderr.fileno(), (line + "\n").encode())
     except (OSError, ValueError):
